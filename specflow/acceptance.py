@@ -1,0 +1,79 @@
+"""The acceptance rules, as pure functions (stages wrap them; FLy builds on them).
+
+- ``greedy_accept``: keep the longest prefix of the draft equal to the target's argmax,
+  then the target's argmax (lossless for greedy decoding).
+- ``rejection_accept``: lossless speculative sampling (Leviathan et al. 2023; Chen et al.
+  2023).  With target distributions p and draft distributions q (both warped by the same
+  sampling params), for i = 0..k-1 accept draft token x_i with probability
+  min(1, p_i(x_i) / q_i(x_i)); on the first rejection emit a token from
+  norm(max(0, p_i - q_i)) and stop; if all k are accepted emit the bonus token from p_k.
+  A deterministic drafter (PLD, greedy draft model) has one-hot q.  The emitted sequence
+  is distributed exactly as sampling from the target.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specflow.sampling import sample
+from specflow.state import Acceptance
+
+
+def greedy_accept(draft_tokens: list[int], target_logits: torch.Tensor) -> Acceptance:
+    """``target_logits [k+1, V]`` -> longest matching prefix + the target's next token."""
+    choice = target_logits.argmax(-1).tolist()  # [k+1]
+    accepted = 0
+    for proposed, wanted in zip(draft_tokens, choice[:-1], strict=True):
+        if proposed != wanted:
+            break
+        accepted += 1
+    return Acceptance(accepted, choice[accepted])
+
+
+def rejection_accept(
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> Acceptance:
+    """``target_probs [k+1, V]``, ``draft_probs [k, V]`` or None (one-hot) -> verdict."""
+    k = len(draft_tokens)
+    if k == 0:
+        return Acceptance(0, int(sample(target_probs[:1], generator)[0]))
+    idx = torch.tensor(draft_tokens)
+    rows = torch.arange(k)
+    p_x = target_probs[rows, idx]  # [k]
+    q_x = draft_probs[rows, idx] if draft_probs is not None else torch.ones(k)  # [k]
+    u = torch.rand(k, generator=generator)  # [k]
+    # accept iff u < p/q  <=>  u * q < p   (q >= p: accept with prob p/q; q < p: always)
+    rejected = (u * q_x >= p_x).nonzero()
+    if rejected.numel() == 0:
+        return Acceptance(k, int(sample(target_probs[k : k + 1], generator)[0]))
+    j = int(rejected[0, 0])
+    if draft_probs is None:
+        residual = target_probs[j].clone()
+        residual[draft_tokens[j]] = 0.0  # max(0, p - onehot(x))
+    else:
+        residual = (target_probs[j] - draft_probs[j]).clamp_min(0.0)
+    total = residual.sum()
+    if total <= 0:  # p == q: rejection had probability 0; fall back to p
+        residual = target_probs[j]
+    return Acceptance(j, int(sample((residual / residual.sum()).unsqueeze(0), generator)[0]))
+
+
+class PlainAcceptor:
+    """The acceptor of plain decoding (no draft): the target's argmax, or a sample from p."""
+
+    lossless = True
+
+    def check(self, greedy: bool) -> None:
+        pass
+
+    def accept(self, state, draft, target_logits: torch.Tensor) -> Acceptance:  # noqa: ANN001
+        from specflow.sampling import warp
+
+        if state.sampling.greedy:
+            return greedy_accept(draft.tokens, target_logits)
+        return rejection_accept(
+            draft.tokens, draft.probs, warp(target_logits, state.sampling), state.generator
+        )

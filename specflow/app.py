@@ -1,0 +1,83 @@
+"""Glue between a composed config and the runner (what ``run.py`` calls)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specflow.errors import SpecflowError
+from specflow.graph import build_pipeline, instantiate_checked
+from specflow.results import RunFolder, format_table
+from specflow.runner import Runner, RunSettings
+from specflow.state import SamplingParams
+
+log = logging.getLogger("specflow")
+
+
+def output_dir() -> Path:
+    """Hydra's run folder when running under Hydra, else ``outputs/manual``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # noqa: BLE001 - not under hydra
+        return Path("outputs/manual")
+
+
+def run_from_config(cfg: DictConfig, out: Path | None = None) -> dict[str, Any]:
+    """Build, run and report one experiment; a ``SpecflowError`` exits with its message."""
+    try:
+        return _run(cfg, out or output_dir())
+    except SpecflowError as exc:
+        log.error("%s", exc)
+        print(f"specflow: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(cfg: DictConfig, out: Path) -> dict[str, Any]:
+    r = cfg.runner
+    if r.threads:
+        torch.set_num_threads(r.threads)
+    pipeline = build_pipeline(cfg)
+    from specflow.models.loading import load_model
+
+    target = load_model(
+        cfg.model.name,
+        dtype=cfg.model.dtype,
+        backend=cfg.model.backend,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    workload = instantiate_checked("workload", cfg.workload)
+    callbacks = [
+        instantiate_checked(f"callbacks.{name}", node)
+        for name, node in (cfg.get("callbacks") or {}).items()
+        if node is not None
+    ]
+    settings = RunSettings(
+        max_new_tokens=r.max_new_tokens,
+        seed=r.seed,
+        warmup=r.warmup,
+        baseline=r.baseline,
+        baseline_cache=r.baseline_cache,
+        use_chat_template=r.use_chat_template,
+        system_prompt=r.system_prompt,
+        cache_dir=r.cache_dir,
+    )
+    sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p)
+    runner = Runner(pipeline, target.tokenizer, settings, sampling, callbacks)
+    folder = RunFolder(out, resume=cfg.resume)
+    meta = {
+        "method": cfg.method,
+        "target_model": pipeline.info.name,
+        "models": [info.name for info in pipeline.models()],
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    summary = runner.run(workload.requests(), folder, meta)
+    print(format_table(summary))
+    print(f"results: {folder.path.resolve()}")
+    return summary

@@ -1,0 +1,67 @@
+"""The typed schema of a run config.
+
+``conf/config.yaml`` starts from this schema (registered as ``specflow_schema``), so a
+misspelled key or a wrong type in a fixed-shape group (``model``, ``runner``,
+``sampling``) fails at composition, naming the key.  Stage groups (``drafter``,
+``intermediate_verifier``, ``target_verifier``, ``acceptor``, ``selector``, ``workload``) are
+``_target_`` nodes checked against the target's signature by ``specflow.graph``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """A model: a registry name (``qwen2.5-coder-1.5b``...), a local HF folder or a hub id."""
+
+    name: str = "smollm2-135m"
+    dtype: str = "float32"
+    backend: str = "auto"  # auto | native | hf
+    trust_remote_code: bool = False
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass
+class RunnerConfig:
+    max_new_tokens: int = 128
+    seed: int = 0
+    warmup: bool = True
+    baseline: bool = True  # also run plain decoding of the target (speedup, fidelity)
+    baseline_cache: bool = True  # reuse plain-decoding results across runs on this machine
+    use_chat_template: bool = True
+    system_prompt: str | None = None
+    threads: int | None = None  # torch threads (default: torch's choice)
+    cache_dir: str | None = None  # default $SPECFLOW_CACHE or ~/.cache/specflow
+
+
+@dataclass
+class RunConfig:
+    method: str = "ar"
+    resume: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    drafter: Any = None
+    intermediate_verifier: Any = None
+    target_verifier: Any = None
+    acceptor: Any = None
+    selector: Any = None
+    workload: Any = None
+    callbacks: Any = field(default_factory=dict)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="specflow_schema", node=RunConfig)

@@ -1,0 +1,84 @@
+"""The model interface speculation needs: run any contiguous range of decoder layers.
+
+A ``LayeredLM`` is a causal LM cut into its parts:
+
+    ids --embed--> h_0 --layer 0--> h_1 --> ... --layer N-1--> h_N --head(N)--> logits
+
+``h_l`` is the input of layer ``l`` (``h_N`` is the output of the last layer).  An *exit*
+``L`` (1 <= L <= N) means "the logits computed from ``h_L``": ``head(h_L, L)``.  Exit ``N``
+is the ordinary model; a smaller exit is early-exit/self-speculative drafting, using a
+trained exit head when one is loaded for ``L`` and the shared final norm + LM head otherwise.
+
+Each layer owns a ``LayerKV``: the keys/values of the positions it has computed so far,
+``[0, length)``.  ``run_layer`` appends the new positions; ``truncate(n)`` is rollback.
+The bookkeeping across layers (which positions each layer has computed, the hidden states
+kept at layer boundaries) lives in ``specflow.models.session.ModelSession``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about a model that stages and configs check against.
+
+    Attributes:
+        name: a human-readable name (registry name, folder or hub id).
+        num_layers: N, the number of decoder layers (exits are 1..N).
+        vocab_size: V, the number of logits per position.
+        hidden_size: H.
+        max_positions: the context length the model supports.
+        eos_token_ids: token ids that end generation.
+        tokenizer_fingerprint: a hash of the tokenizer's vocabulary; two models can be
+            drafter and target only if their fingerprints are equal.
+        weights_fingerprint: a short hash identifying the weights (used to match exit heads).
+    """
+
+    name: str
+    num_layers: int
+    vocab_size: int
+    hidden_size: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...] = ()
+    tokenizer_fingerprint: str = ""
+    weights_fingerprint: str = ""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+@runtime_checkable
+class LayerKV(Protocol):
+    """The key/value cache of one decoder layer: positions ``[0, length)`` are computed."""
+
+    @property
+    def length(self) -> int: ...
+
+    def truncate(self, n: int) -> None:
+        """Forget positions ``>= n`` (no-op when ``n >= length``)."""
+
+
+@runtime_checkable
+class LayeredLM(Protocol):
+    """A causal LM whose decoder layers can be run one range at a time (see module doc)."""
+
+    info: ModelInfo
+
+    def new_layer_caches(self, max_len: int) -> list[LayerKV]:
+        """One empty ``LayerKV`` per decoder layer, able to hold ``max_len`` positions."""
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``token_ids [T] -> h_0 [T, H]``."""
+
+    def run_layer(self, layer: int, hidden: torch.Tensor, cache: LayerKV) -> torch.Tensor:
+        """``h_layer [T, H] -> h_{layer+1} [T, H]`` for positions ``[L, L+T)``, L = cache.length.
+
+        Attends to the cached positions and causally within the block; appends the
+        block's keys/values to ``cache``.
+        """
+
+    def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
+        """``h_exit [T, H] -> logits [T, V]`` (float32) at exit ``exit_layer`` in 1..N."""

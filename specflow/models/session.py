@@ -1,0 +1,164 @@
+"""One model's view of one request: a token sequence and a *layered* KV cache.
+
+Every stage asks a ``ModelSession`` the same question:
+
+    "logits at exit L for positions [start, end) of my token sequence"
+
+and the session computes only what is missing.  It tracks, per decoder layer ``l``,
+``computed(l)`` = how many positions layer ``l`` has processed (its ``LayerKV.length``).
+Invariant: ``computed(0) >= computed(1) >= ... >= computed(N-1)`` (a layer never runs ahead of
+the one below it).  For every boundary ``l`` (input of layer ``l``, 1 <= l <= N-1) the session
+keeps the hidden states ``h_l`` of positions ``[computed(l), computed(l-1))``: produced by
+layer ``l-1`` but not yet consumed by layer ``l``.  So a deeper exit continues from where a
+shallower one stopped and no layer ever runs twice on the same position (HiSpec's reuse).
+
+Rollback is ``set_tokens``: give the session the sequence you want; it keeps the longest
+common prefix of every layer's cache and of the kept hidden states and drops the rest.
+A drafter whose model was idle while tokens were committed catches up lazily the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specflow.errors import PromptTooLongError
+from specflow.models.base import LayeredLM, LayerKV
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelSession:
+    """Token sequence + layered KV cache of one model for one request (see module doc)."""
+
+    def __init__(self, model: LayeredLM, max_len: int) -> None:
+        if max_len > model.info.max_positions:
+            raise PromptTooLongError(
+                f"requested a context of {max_len} positions but {model.info.name} supports "
+                f"{model.info.max_positions}; shorten the prompt or lower max_new_tokens"
+            )
+        self.model = model
+        self.max_len = max_len
+        self.tokens: list[int] = []
+        self.caches: list[LayerKV] = model.new_layer_caches(max_len)
+        n = model.info.num_layers
+        # kept[l]: h_l of positions [computed(l), computed(l-1)), shape [*, H]; kept[0] unused.
+        self.kept: list[torch.Tensor | None] = [None] * (n + 1)
+        # h_N (last layer output) of positions [last_final_start, computed(N-1)).
+        self.final_hidden: torch.Tensor | None = None
+        self.final_start = 0
+        self.layer_evals = 0  # sum over layers of positions processed (for reuse tests/metrics)
+
+    # ---------------------------------------------------------------- bookkeeping
+    @property
+    def num_layers(self) -> int:
+        return self.model.info.num_layers
+
+    def computed(self, layer: int) -> int:
+        """Number of positions decoder layer ``layer`` (0-based) has processed."""
+        return self.caches[layer].length
+
+    def set_tokens(self, tokens: list[int]) -> None:
+        """Make ``tokens`` this session's sequence, keeping all work on the common prefix."""
+        if len(tokens) > self.max_len:
+            raise PromptTooLongError(
+                f"sequence of {len(tokens)} tokens exceeds this request's context of "
+                f"{self.max_len}; lower max_new_tokens or the draft length"
+            )
+        keep = common_prefix_length(self.tokens, tokens)
+        self.truncate(keep)
+        self.tokens = list(tokens)
+
+    def extend(self, new_tokens: list[int]) -> None:
+        """Append tokens (no computation happens until logits are asked for)."""
+        if len(self.tokens) + len(new_tokens) > self.max_len:
+            raise PromptTooLongError(
+                f"sequence of {len(self.tokens) + len(new_tokens)} tokens exceeds this "
+                f"request's context of {self.max_len}; lower max_new_tokens or the draft length"
+            )
+        self.tokens.extend(new_tokens)
+
+    def truncate(self, n: int) -> None:
+        """Drop every position ``>= n`` from the sequence, every layer cache and kept state."""
+        if n < len(self.tokens):
+            del self.tokens[n:]
+        old = [self.computed(layer) for layer in range(self.num_layers)]
+        for layer in range(self.num_layers):
+            if old[layer] > n:
+                self.caches[layer].truncate(n)
+            kept = self.kept[layer]
+            if layer > 0 and kept is not None:
+                # kept[layer] covers [old[layer], old[layer-1]); keep the rows of positions < n.
+                rows = min(old[layer - 1], n) - old[layer]
+                self.kept[layer] = kept[:rows] if rows > 0 else None
+        if self.final_hidden is not None:
+            rows = n - self.final_start
+            self.final_hidden = self.final_hidden[:rows] if rows > 0 else None
+
+    # ---------------------------------------------------------------- compute
+    def hidden(self, exit_layer: int, end: int) -> tuple[torch.Tensor, int]:
+        """Run layers ``0 .. exit_layer-1`` up to position ``end`` (only what is missing).
+
+        Returns ``(h, start)`` where ``h [rows, H]`` is ``h_exit`` for positions
+        ``[start, start+rows)`` with ``start+rows >= end``: for an early exit, the positions
+        layer ``exit_layer`` has not consumed yet; for the last exit, the positions the
+        last layer computed most recently.
+        """
+        n_layers = self.num_layers
+        if not 1 <= exit_layer <= n_layers:
+            raise ValueError(f"exit layer must be in 1..{n_layers}, got {exit_layer}")
+        if end > len(self.tokens):
+            raise ValueError(f"position {end} is beyond the sequence ({len(self.tokens)} tokens)")
+        for layer in range(exit_layer):
+            done = self.computed(layer)
+            if done >= end:
+                continue
+            if layer == 0:
+                inp = self.model.embed(torch.tensor(self.tokens[done:end], dtype=torch.long))
+            else:
+                # kept[layer] covers [done, computed(layer-1)) and computed(layer-1) >= end.
+                kept = self.kept[layer]
+                assert kept is not None and kept.shape[0] >= end - done, (layer, done, end)
+                inp = kept[: end - done]
+                self.kept[layer] = kept[end - done :] if kept.shape[0] > end - done else None
+            out = self.model.run_layer(layer, inp, self.caches[layer])  # [end-done, H]
+            self.layer_evals += end - done
+            if layer + 1 < n_layers:
+                prev = self.kept[layer + 1]
+                self.kept[layer + 1] = out if prev is None else torch.cat([prev, out], dim=0)
+            else:
+                self.final_hidden, self.final_start = out, done
+        if exit_layer == n_layers:
+            assert self.final_hidden is not None
+            return self.final_hidden, self.final_start
+        kept = self.kept[exit_layer]
+        assert kept is not None, f"no hidden states kept at exit {exit_layer}"
+        return kept, self.computed(exit_layer)
+
+    def logits(self, exit_layer: int, start: int, end: int) -> torch.Tensor:
+        """Logits ``[end-start, V]`` at ``exit_layer`` for positions ``[start, end)``.
+
+        Row ``i`` is the distribution of the token at position ``start+i+1``.
+        """
+        h, h_start = self.hidden(exit_layer, end)
+        if start < h_start:
+            raise RuntimeError(
+                f"positions from {start} at exit {exit_layer} were consumed by a deeper layer "
+                f"(kept from {h_start}); ask for them before running deeper"
+            )
+        rows = h[start - h_start : end - h_start]
+        return self.model.head(rows, exit_layer)
+
+    def prefill(self, exit_layer: int | None = None) -> None:
+        """Compute every position but the last at layers ``< exit_layer`` (default: all)."""
+        exit_layer = exit_layer or self.num_layers
+        if len(self.tokens) > 1:
+            self.hidden(exit_layer, len(self.tokens) - 1)

@@ -1,0 +1,87 @@
+"""The roles a stage can play.  Stages are plain classes chosen by config (``_target_``);
+they satisfy these protocols structurally, with no base class to inherit from.
+
+A round (see ``specflow.state``) is::
+
+    draft = drafter.propose(state, k)                    # k tokens (+ q when sampling)
+    draft = intermediate_verifier.filter(state, draft)   # optional, may shorten the draft
+    logits = target_verifier.score(state, draft)         # [k+1, V] target logits
+    verdict = acceptor.accept(state, draft, logits)      # accepted prefix + bonus token
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specflow.models.base import ModelInfo
+from specflow.state import Acceptance, DecodeState, Draft
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes draft tokens continuing ``state.tokens``.
+
+    ``k`` is the drafter's default draft length (the pipeline caps it near the end).
+    """
+
+    name: str
+    k: int
+
+    def begin(self, state: DecodeState) -> None:
+        """A new request starts (reset per-request state; prefill may happen here)."""
+
+    def propose(self, state: DecodeState, k: int) -> Draft:
+        """Propose up to ``k`` tokens continuing ``state.tokens`` (may return fewer, even 0)."""
+
+    def models(self) -> list[ModelInfo]:
+        """Models this drafter runs (for tokenizer / depth checks); [] for model-free ones."""
+
+
+@runtime_checkable
+class TargetVerifier(Protocol):
+    """Scores a draft with the target model in one forward pass."""
+
+    info: ModelInfo
+
+    def begin(self, state: DecodeState) -> None:
+        """A new request starts: prefill the prompt."""
+
+    def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
+        """Target logits ``[k+1, V]``: row i is the target's distribution for draft
+        position i given the committed tokens and ``draft.tokens[:i]`` (row k: the bonus)."""
+
+
+@runtime_checkable
+class IntermediateVerifier(Protocol):
+    """Pre-verifies a draft cheaply before the target sees it (HiSpec)."""
+
+    def begin(self, state: DecodeState) -> None: ...
+
+    def filter(self, state: DecodeState, draft: Draft) -> Draft:
+        """Return the (possibly shorter or corrected) draft to send to the target."""
+
+
+@runtime_checkable
+class Acceptor(Protocol):
+    """Decides how much of a draft to keep, and the target's bonus / correction token."""
+
+    lossless: bool
+
+    def check(self, greedy: bool) -> None:
+        """Raise ``ConfigError`` when this acceptor cannot work with the sampling mode."""
+
+    def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
+        """``target_logits [k+1, V]`` -> accepted prefix length and next token."""
+
+
+@runtime_checkable
+class Selector(Protocol):
+    """Chooses which drafter of a pool drafts this round (MetaSD); ``single`` always arm 0."""
+
+    def begin(self, num_arms: int) -> None: ...
+
+    def select(self) -> int: ...
+
+    def update(self, arm: int, reward: float) -> None: ...

@@ -1,0 +1,54 @@
+"""Turning logits into distributions and tokens, identically for every stage.
+
+Drafters and acceptors must warp logits the same way (temperature, then top-k, then
+top-p) so that the lossless rule compares the distributions tokens are really drawn from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specflow.state import SamplingParams
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [T, V] -> probs [T, V]`` (float32) after temperature, top-k and top-p.
+
+    Greedy (``temperature == 0``) gives one-hot distributions on the argmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        probs = torch.zeros_like(logits)
+        probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return probs
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [T, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row: ``probs [T, V] -> ids [T]``."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def choose(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[list[int], torch.Tensor | None]:
+    """Pick one token per row of ``logits [T, V]``.
+
+    Returns the token ids and, when sampling, the distributions ``[T, V]`` they were drawn
+    from (``None`` when greedy: the choice is deterministic, q is one-hot).
+    """
+    if params.greedy:
+        return logits.argmax(-1).tolist(), None
+    probs = warp(logits, params)
+    return sample(probs, generator).tolist(), probs

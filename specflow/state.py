@@ -1,0 +1,184 @@
+"""Decoding state and the glossary every stage and metric uses.
+
+Glossary (see ``shared/methods.md``):
+
+- **round**: one draft -> (intermediate verify) -> target verify -> accept cycle.  Plain
+  decoding is a pipeline whose rounds draft nothing (k = 0).
+- **k**: the number of draft tokens proposed in a round.
+- **accepted tokens**: draft tokens the acceptor keeps in a round (0..k).
+- **bonus / correction token**: the one token the target contributes each round: its own
+  choice at the first rejected position (correction), or after the last draft token when
+  all k are accepted (bonus).  Every round therefore commits ``accepted + 1`` tokens
+  (fewer only when EOS or ``max_new_tokens`` cuts the round short).
+- **tau (mean accepted length)**: tokens the acceptor commits per target-verifier call,
+  bonus included: ``tau = 1 + accepted / rounds``.  Plain decoding has tau = 1.00.  It
+  counts the acceptor's decisions, before a stop (EOS / max_new_tokens) truncates a round.
+- **acceptance rate**: accepted / drafted.
+- **speedup**: tokens/s of a method / tokens/s of plain decoding of the same target, same
+  machine, same prompts, measured in the same run.
+- **fidelity**: the fraction of requests whose output equals plain greedy decoding exactly
+  (a lossless method: 1.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from specflow.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specflow.models.base import LayeredLM
+    from specflow.models.session import ModelSession
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen.  ``temperature == 0`` is greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0  # 1.0 = no nucleus filter
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Draft:
+    """What a drafter proposes in one round.
+
+    Attributes:
+        tokens: the k proposed token ids.
+        probs: ``[k, V]`` the drafter's (warped) distributions q the tokens were sampled
+            from, or ``None`` for a deterministic drafter (greedy argmax, prompt lookup):
+            q is then one-hot on each token.
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Acceptance:
+    """An acceptor's verdict on one round.
+
+    Attributes:
+        num_accepted: how many leading draft tokens are kept (0..k).
+        next_token: the bonus / correction token the target contributes.
+    """
+
+    num_accepted: int
+    next_token: int
+
+
+@dataclass
+class StageTimes:
+    """Wall-clock seconds per stage, summed over a request."""
+
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    intermediate_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0
+
+    def as_dict(self, total_s: float) -> dict[str, float]:
+        named = {
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "intermediate_s": self.intermediate_s,
+            "verify_s": self.verify_s,
+            "accept_s": self.accept_s,
+        }
+        named["other_s"] = max(0.0, total_s - sum(named.values()))
+        return named
+
+
+@dataclass
+class RoundStats:
+    """Counters of one request's rounds (see the glossary)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    # Per named verification level (e.g. "intermediate", "target"): drafted and accepted.
+    level_drafted: dict[str, int] = field(default_factory=dict)
+    level_accepted: dict[str, int] = field(default_factory=dict)
+    drafted_per_round: list[int] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per round, bonus included: ``1 + accepted / rounds``."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record_level(self, level: str, drafted: int, accepted: int) -> None:
+        self.level_drafted[level] = self.level_drafted.get(level, 0) + drafted
+        self.level_accepted[level] = self.level_accepted.get(level, 0) + accepted
+
+
+@dataclass
+class DecodeState:
+    """Everything one request's decoding knows; stages read and update it.
+
+    Attributes:
+        tokens: committed token ids, prompt first (the last one is not yet processed by
+            the target: every round starts by scoring it).
+        prompt_len: number of prompt tokens at the start of ``tokens``.
+        max_len: context budget of this request (prompt + max_new_tokens + slack for drafts).
+        sampling: how tokens are chosen.
+        generator: the request's random generator (sampling is reproducible per seed).
+        sessions: one ``ModelSession`` per model, shared by every stage using that model.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    max_len: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    sessions: dict[int, ModelSession] = field(default_factory=dict)
+    stats: RoundStats = field(default_factory=RoundStats)
+    times: StageTimes = field(default_factory=StageTimes)
+    # Stage-private per-request data, keyed by the stage (``id(stage)``).
+    scratch: dict[int, object] = field(default_factory=dict)
+    # Round counters of nested pipelines (a pipeline used as a drafter), by level name.
+    nested_stats: dict[str, RoundStats] = field(default_factory=dict)
+
+    def stats_for_level(self, level: str) -> RoundStats:
+        """The counters of the nested pipeline named ``level`` (created on first use)."""
+        return self.nested_stats.setdefault(level, RoundStats())
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def session(self, model: LayeredLM) -> ModelSession:
+        """The request's session of ``model`` (created on first use, synced lazily)."""
+        from specflow.models.session import ModelSession
+
+        key = id(model)
+        sess = self.sessions.get(key)
+        if sess is None:
+            sess = ModelSession(model, self.max_len)
+            self.sessions[key] = sess
+        return sess

@@ -1,0 +1,158 @@
+"""Workloads: the requests a run decodes.
+
+A ``Request`` is one conversation: a list of user turns decoded turn by turn (the
+model's answer to turn i is part of the prompt of turn i+1).  Two sources:
+
+- ``SpecBench``: the vendored Spec-Bench dev split (``specflow/data/specbench``), six task
+  categories: ``mt_bench`` (multi-turn chat; MT-bench's eight sub-categories are kept in
+  ``subcategory``), ``translation``, ``summarization``, ``qa``, ``math_reasoning``, ``rag``.
+- ``PromptFile``: a ``.txt`` file (one prompt per line) or a ``.jsonl`` file with ``turns``
+  (or ``prompt``) and optional ``question_id``, ``category``, ``reference``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specflow.errors import ConfigError
+
+DATA_DIR = Path(__file__).parent / "data"
+SPECBENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+MT_BENCH_SUBCATEGORIES = frozenset(
+    {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One conversation to decode."""
+
+    request_id: str
+    category: str
+    turns: tuple[str, ...]
+    reference: str | None = None
+    subcategory: str | None = None
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def _select(
+    requests: list[Request],
+    categories: list[str] | None,
+    limit: int | None,
+    per_category: int | None,
+) -> list[Request]:
+    if categories:
+        known = sorted({r.category for r in requests})
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise ConfigError(f"workload.categories has unknown {unknown}; available: {known}")
+        requests = [r for r in requests if r.category in categories]
+    if per_category is not None:
+        counts: dict[str, int] = {}
+        kept = []
+        for r in requests:
+            if counts.get(r.category, 0) < per_category:
+                kept.append(r)
+                counts[r.category] = counts.get(r.category, 0) + 1
+        requests = kept
+    if limit is not None:
+        requests = requests[:limit]
+    return requests
+
+
+class SpecBench:
+    """The vendored Spec-Bench dev questions (see module doc).
+
+    Args:
+        categories: keep only these categories (empty = all six).
+        limit: keep the first N requests after filtering.
+        per_category: keep at most N requests of each category (interleaved order kept).
+        max_turns: decode at most this many turns per conversation.
+        path: another file in the Spec-Bench format.
+    """
+
+    def __init__(
+        self,
+        categories: list[str] | None = None,
+        limit: int | None = None,
+        per_category: int | None = None,
+        max_turns: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        self.path = Path(path) if path else DATA_DIR / "specbench" / "question.dev.jsonl"
+        if not self.path.exists():
+            raise ConfigError(f"workload.path {self.path} does not exist")
+        self.categories = list(categories or [])
+        self.limit = limit
+        self.per_category = per_category
+        self.max_turns = max_turns
+
+    def requests(self) -> list[Request]:
+        out = []
+        with self.path.open() as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                d = json.loads(line)
+                sub = d["category"] if d["category"] in MT_BENCH_SUBCATEGORIES else None
+                turns = tuple(d["turns"][: self.max_turns] if self.max_turns else d["turns"])
+                out.append(
+                    Request(
+                        request_id=str(d["question_id"]),
+                        category="mt_bench" if sub else d["category"],
+                        subcategory=sub,
+                        turns=turns,
+                        reference=d.get("reference"),
+                    )
+                )
+        # Interleave categories so that `limit` gives a mix rather than one category.
+        by_cat: dict[str, list[Request]] = {}
+        for r in out:
+            by_cat.setdefault(r.category, []).append(r)
+        mixed: list[Request] = []
+        for i in range(max(len(v) for v in by_cat.values())):
+            mixed += [v[i] for v in by_cat.values() if i < len(v)]
+        return _select(mixed, self.categories, self.limit, self.per_category)
+
+
+class PromptFile:
+    """Prompts from a ``.txt`` (one per line) or ``.jsonl`` file (see module doc)."""
+
+    def __init__(
+        self,
+        path: str,
+        category: str = "prompts",
+        categories: list[str] | None = None,
+        limit: int | None = None,
+        per_category: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise ConfigError(
+                f"workload.path {self.path} does not exist; give a .txt or .jsonl file"
+            )
+        self.category = category
+        self.categories = list(categories or [])
+        self.limit = limit
+        self.per_category = per_category
+
+    def requests(self) -> list[Request]:
+        out: list[Request] = []
+        lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
+        for i, line in enumerate(lines):
+            if self.path.suffix == ".jsonl":
+                d = json.loads(line)
+                turns = d.get("turns") or [d["prompt"]]
+                out.append(
+                    Request(
+                        request_id=str(d.get("question_id", d.get("id", i))),
+                        category=d.get("category", self.category),
+                        turns=tuple(turns),
+                        reference=d.get("reference"),
+                    )
+                )
+            else:
+                out.append(Request(request_id=str(i), category=self.category, turns=(line,)))
+        return _select(out, self.categories, self.limit, self.per_category)

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random-init models (seconds) and their native wrappers."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MKL_CBWR", "AUTO")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from specflow.models.native import NativeLM  # noqa: E402
+from specflow.models.tiny import tiny_hf_model, tiny_model_info  # noqa: E402
+
+
+def make_pair(arch: str = "llama", seed: int = 0, **kw):
+    """(hf_model, NativeLM) sharing weights."""
+    hf = tiny_hf_model(arch, seed=seed, **kw)
+    return hf, NativeLM.from_hf(hf, tiny_model_info(hf, f"tiny-{arch}-{seed}"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return make_pair("llama", seed=0, num_layers=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter():
+    """A different random model with the same vocabulary: drafts sometimes accepted."""
+    return make_pair("llama", seed=1, num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen():
+    return make_pair("qwen2", seed=2, num_layers=4)
+
+
+_ORACLE: dict = {}
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
+    """The outside oracle: HF generate, greedy, EOS honoured (memoised per model+prompt)."""
+    key = (id(hf_model), tuple(prompt), max_new)
+    if key not in _ORACLE:
+        _ORACLE[key] = _hf_greedy(hf_model, prompt, max_new)
+    return list(_ORACLE[key])
+
+
+def _hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=hf_model.config.eos_token_id,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
