@@ -11,11 +11,12 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from specflow.engine import SpeculativePipeline
-from specflow.errors import ConfigError
+from specflow.errors import ConfigError, SpecflowError
 
 
 def _plain(node: Any) -> Any:
@@ -69,7 +70,15 @@ def instantiate_checked(where: str, node: Any, **kwargs: Any) -> Any:
     if node is None or (isinstance(node, (Mapping, DictConfig)) and not node):
         return None
     check_node(where, node)
-    return instantiate(node, _convert_="all", **kwargs)
+    try:
+        return instantiate(node, _convert_="all", **kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, SpecflowError):
+            raise cause from None  # our own message is the clear one
+        raise
 
 
 def build_pipeline(cfg: Any) -> SpeculativePipeline:
