@@ -50,15 +50,26 @@ def rejection_accept(
     if rejected.numel() == 0:
         return Acceptance(k, int(sample(target_probs[k : k + 1], generator)[0]))
     j = int(rejected[0, 0])
-    if draft_probs is None:
-        residual = target_probs[j].clone()
-        residual[draft_tokens[j]] = 0.0  # max(0, p - onehot(x))
+    q_row = draft_probs[j] if draft_probs is not None else None
+    return Acceptance(j, correction_sample(target_probs[j], q_row, draft_tokens[j], generator))
+
+
+def correction_sample(
+    p_row: torch.Tensor, q_row: torch.Tensor | None, token: int, generator: torch.Generator
+) -> int:
+    """The token emitted after rejecting ``token``: a sample of norm(max(0, p - q)).
+
+    ``p_row, q_row [V]``; ``q_row=None`` is one-hot on ``token``.  When p == q the rejection
+    had probability 0 and the residual is empty: fall back to p.
+    """
+    if q_row is None:
+        residual = p_row.clone()
+        residual[token] = 0.0
     else:
-        residual = (target_probs[j] - draft_probs[j]).clamp_min(0.0)
-    total = residual.sum()
-    if total <= 0:  # p == q: rejection had probability 0; fall back to p
-        residual = target_probs[j]
-    return Acceptance(j, int(sample((residual / residual.sum()).unsqueeze(0), generator)[0]))
+        residual = (p_row - q_row).clamp_min(0.0)
+    if residual.sum() <= 0:
+        residual = p_row
+    return int(sample((residual / residual.sum()).unsqueeze(0), generator)[0])
 
 
 class PlainAcceptor:

@@ -91,6 +91,9 @@ class SpeculativePipeline:
         if self.drafter is not None:
             for info in self.drafter.models():
                 check_same_tokenizer(info, target)
+            check_k = getattr(self.acceptor, "check_draft_length", None)
+            if check_k is not None:
+                check_k(self.drafter.k)
 
     def models(self) -> list[ModelInfo]:
         """Every model this pipeline runs (``Drafter`` protocol)."""

@@ -70,7 +70,11 @@ class Acceptor(Protocol):
     lossless: bool
 
     def check(self, greedy: bool) -> None:
-        """Raise ``ConfigError`` when this acceptor cannot work with the sampling mode."""
+        """Raise ``ConfigError`` when this acceptor cannot work with the sampling mode.
+
+        An acceptor may also define ``check_draft_length(k)``, called when the pipeline is
+        built, to refuse a draft length it cannot work with (FLy: window >= k).
+        """
 
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
         """``target_logits [k+1, V]`` -> accepted prefix length and next token."""
