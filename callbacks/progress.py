@@ -1,4 +1,9 @@
-"""Callback ``progress``: a progress bar over requests with live tokens/s, speedup and tau."""
+"""Callback ``progress``: a progress bar over requests with live tokens/s, speedup and tau.
+
+The postfix shows running totals over the requests done so far: ``tok_s`` (the method's
+tokens/s), ``speedup`` (over plain decoding's tokens/s on the same requests, when the
+baseline runs) and ``tau`` (1 + accepted / rounds).
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,36 @@ from tqdm import tqdm
 
 
 class ProgressBar:
-    """tqdm over the run's requests."""
+    """tqdm over the run's requests (``leave``, ``disable``: tqdm's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, leave: bool = True, disable: bool | None = False) -> None:
+        self.leave = leave
+        self.disable = disable
         self.bar: tqdm | None = None
         self.tokens = 0
         self.seconds = 0.0
+        self.base_tokens = 0
+        self.base_seconds = 0.0
         self.rounds = 0
         self.accepted = 0
 
     def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None:
-        self.bar = tqdm(total=num_requests, desc=str(meta.get("method", "run")), unit="req")
+        self.bar = tqdm(
+            total=num_requests,
+            desc=str(meta.get("method", "run")),
+            unit="req",
+            leave=self.leave,
+            disable=self.disable,
+        )
+
+    def postfix(self) -> dict[str, str]:
+        """The live numbers shown next to the bar."""
+        out = {"tok_s": f"{self.tokens / max(self.seconds, 1e-9):.1f}"}
+        if self.base_seconds and self.base_tokens and self.seconds:
+            speedup = (self.tokens / self.seconds) / (self.base_tokens / self.base_seconds)
+            out["speedup"] = f"{speedup:.2f}"
+        out["tau"] = f"{1 + self.accepted / max(self.rounds, 1):.2f}"
+        return out
 
     def on_request_end(self, record: dict[str, Any]) -> None:
         m = record["metrics"]
@@ -27,14 +51,13 @@ class ProgressBar:
         self.seconds += m["total_s"]
         self.rounds += m["rounds"]
         self.accepted += m["accepted"]
+        self.base_tokens += m.get("baseline_tokens") or 0
+        self.base_seconds += m.get("baseline_s") or 0.0
         if self.bar is not None:
-            self.bar.set_postfix(
-                tok_s=f"{self.tokens / max(self.seconds, 1e-9):.1f}",
-                tau=f"{1 + self.accepted / max(self.rounds, 1):.2f}",
-                speedup=f"{m.get('speedup') or 0:.2f}",
-            )
+            self.bar.set_postfix(self.postfix())
             self.bar.update(1)
 
     def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None

@@ -72,8 +72,11 @@ def correction_sample(
     return int(sample((residual / residual.sum()).unsqueeze(0), generator)[0])
 
 
-class PlainAcceptor:
-    """The acceptor of plain decoding (no draft): the target's argmax, or a sample from p."""
+class StandardAcceptor:
+    """The standard lossless rule: ``greedy_accept`` when greedy, else ``rejection_accept``.
+
+    It is the acceptor of plain decoding (no draft: the target's argmax or a sample from p)
+    and of HiSpec's intermediate level."""
 
     lossless = True
 

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specflow.errors import SpecflowError
 from specflow.graph import build_pipeline, instantiate_checked
-from specflow.results import RunFolder, format_table
+from specflow.results import RunFolder
 from specflow.runner import Runner, RunSettings
 from specflow.state import SamplingParams
 
@@ -77,7 +77,6 @@ def _run(cfg: DictConfig, out: Path) -> dict[str, Any]:
         "models": [info.name for info in pipeline.models()],
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    summary = runner.run(workload.requests(), folder, meta)
-    print(format_table(summary))
+    summary = runner.run(workload.requests(), folder, meta)  # callbacks.console prints the table
     print(f"results: {folder.path.resolve()}")
     return summary

@@ -46,6 +46,14 @@ class RunnerConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """What ``run.py`` returns to a Hydra sweeper (``callbacks.sweep.objective``)."""
+
+    metric: str = "throughput/speedup"  # a slash-named metric of callbacks.metrics
+    accuracy_floor: float | None = None  # quality/accuracy_ratio below this scores 0.0
+
+
+@dataclass
 class RunConfig:
     method: str = "ar"
     resume: bool = False
@@ -59,6 +67,7 @@ class RunConfig:
     callbacks: Any = field(default_factory=dict)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
 
 def register_configs() -> None:

@@ -5,13 +5,18 @@ acceptor``.  Plain decoding is the pipeline without a drafter (every round draft
 and commits the target's own token).  A pipeline is itself a ``Drafter`` (``propose``), so
 pipelines nest: PLD -> draft model -> target is a pipeline whose drafter is a pipeline.
 
+An intermediate verifier (HiSpec) is that nesting too: ``drafter -> intermediate`` is an
+inner pipeline (level "intermediate") whose verifier scores at an early exit with the
+lossless rule and which accumulates ``intermediate_verifier.accumulate`` provisionally
+accepted tokens (N_i) before the outer target verifier runs.  Its time is reported as
+``intermediate_s`` (its verification) inside the outer ``draft_s``.
+
 One round (``run_round``):
   1. k = min(drafter.k, tokens still to generate - 1)            (never draft past the end)
   2. draft = drafter.propose(state, k)                           time/draft_s
-  3. draft = intermediate_verifier.filter(state, draft)          time/intermediate_s
-  4. logits = target_verifier.score(state, draft)  # [k+1, V]    time/verify_s
-  5. verdict = acceptor.accept(state, draft, logits)             time/accept_s
-  6. commit draft[:accepted] + [next_token]; stats: rounds += 1, accepted += accepted.
+  3. logits = target_verifier.score(state, draft)  # [k+1, V]    time/verify_s
+  4. verdict = acceptor.accept(state, draft, logits)             time/accept_s
+  5. commit draft[:accepted] + [next_token]; stats: rounds += 1, accepted += accepted.
 Every stage reads the committed tokens from ``state.tokens``; model sessions sync to them
 lazily (rollback of rejected drafts is implicit, see ``specflow.models.session``).
 """
@@ -48,6 +53,7 @@ class Generation:
     total_s: float
     stop_reason: str
     nested_stats: dict[str, RoundStats] = field(default_factory=dict)
+    nested_times: dict[str, StageTimes] = field(default_factory=dict)
 
 
 class SpeculativePipeline:
@@ -78,8 +84,26 @@ class SpeculativePipeline:
             raise ConfigError(f"k (draft length) must be >= 1, got {k}; set e.g. drafter.k=4")
         self.target_verifier = target_verifier
         self.acceptor = acceptor
-        self.drafter = drafter
         self.intermediate_verifier = intermediate_verifier
+        if intermediate_verifier is not None:
+            if drafter is None:
+                raise ConfigError(
+                    "an intermediate_verifier needs a drafter to pre-verify "
+                    "(e.g. drafter=early_exit)"
+                )
+            from specflow.acceptance import StandardAcceptor
+
+            check_exit_order(drafter, intermediate_verifier)
+
+            drafter = SpeculativePipeline(
+                intermediate_verifier,
+                StandardAcceptor(),
+                drafter=drafter,
+                name=f"{name}/intermediate",
+                level="intermediate",
+                k=intermediate_verifier.accumulate,
+            )
+        self.drafter = drafter
         self.name = name
         self.level = level
         self.k = k
@@ -110,8 +134,6 @@ class SpeculativePipeline:
     def begin(self, state: DecodeState) -> None:
         """Start a request: every stage prefills / resets."""
         self.target_verifier.begin(state)
-        if self.intermediate_verifier is not None:
-            self.intermediate_verifier.begin(state)
         if self.drafter is not None:
             self.drafter.begin(state)
 
@@ -129,11 +151,6 @@ class SpeculativePipeline:
         draft = self.drafter.propose(state, k) if k > 0 else Draft([])
         t1 = time.perf_counter()
         times.draft_s += t1 - t0
-        if self.intermediate_verifier is not None and draft.k > 0:
-            draft = self.intermediate_verifier.filter(state, draft)
-            t2 = time.perf_counter()
-            times.intermediate_s += t2 - t1
-            t1 = t2
         logits = self.target_verifier.score(state, draft)  # [k+1, V]
         t2 = time.perf_counter()
         times.verify_s += t2 - t1
@@ -204,6 +221,7 @@ class SpeculativePipeline:
             total_s=total,
             stop_reason=stop_reason,
             nested_stats=state.nested_stats,
+            nested_times=state.nested_times,
         )
 
     # ------------------------------------------------------------------ as a drafter
@@ -236,9 +254,10 @@ class SpeculativePipeline:
                 sampling=state.sampling,
                 generator=state.generator,
                 sessions=state.sessions,
-                times=StageTimes(),
+                times=state.nested_times.setdefault(self.level, StageTimes()),
                 scratch=state.scratch,
                 nested_stats=state.nested_stats,
+                nested_times=state.nested_times,
             )
             inner.stats = state.stats_for_level(self.level)
             state.scratch[id(self)] = inner
@@ -253,4 +272,15 @@ def check_same_tokenizer(drafter: ModelInfo, target: ModelInfo) -> None:
             f"tokenizers (vocab {drafter.vocab_size} vs {target.vocab_size}); draft tokens "
             f"would mean different text. Pick a drafter from the target's family (e.g. "
             f"qwen2.5-coder-0.5b for qwen2.5-coder-1.5b), or a model-free drafter (drafter=pld)"
+        )
+
+
+def check_exit_order(drafter: object, intermediate: object) -> None:
+    """A drafter on the intermediate verifier's model must exit below it (L_d < L_i)."""
+    same_model = getattr(drafter, "lm", None) is getattr(intermediate, "lm", object())
+    d_exit, i_exit = getattr(drafter, "exit_layer", None), getattr(intermediate, "exit_layer", None)
+    if same_model and d_exit is not None and i_exit is not None and d_exit >= i_exit:
+        raise ConfigError(
+            f"drafter.exit_layer={d_exit} must be below intermediate_verifier.exit_layer="
+            f"{i_exit}: the intermediate verifier continues from the drafter's hidden states"
         )

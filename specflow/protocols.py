@@ -4,7 +4,6 @@ they satisfy these protocols structurally, with no base class to inherit from.
 A round (see ``specflow.state``) is::
 
     draft = drafter.propose(state, k)                    # k tokens (+ q when sampling)
-    draft = intermediate_verifier.filter(state, draft)   # optional, may shorten the draft
     logits = target_verifier.score(state, draft)         # [k+1, V] target logits
     verdict = acceptor.accept(state, draft, logits)      # accepted prefix + bonus token
 """
@@ -54,13 +53,15 @@ class TargetVerifier(Protocol):
 
 
 @runtime_checkable
-class IntermediateVerifier(Protocol):
-    """Pre-verifies a draft cheaply before the target sees it (HiSpec)."""
+class IntermediateVerifier(TargetVerifier, Protocol):
+    """Pre-verifies drafts at an early exit before the target sees them (HiSpec).
 
-    def begin(self, state: DecodeState) -> None: ...
+    It scores like a target verifier (``score`` at its exit layer); the engine runs
+    ``drafter -> intermediate`` as an inner pipeline with the lossless rule until
+    ``accumulate`` (N_i) provisionally accepted tokens are collected.
+    """
 
-    def filter(self, state: DecodeState, draft: Draft) -> Draft:
-        """Return the (possibly shorter or corrected) draft to send to the target."""
+    accumulate: int
 
 
 @runtime_checkable

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from specflow.acceptance import PlainAcceptor
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import Generation, SpeculativePipeline
 from specflow.results import RunFolder, summarize
 from specflow.state import SamplingParams
@@ -41,9 +41,16 @@ class Tokenizer(Protocol):
 
 
 class RunCallback(Protocol):
-    """Hooks a callback may implement (all optional; see ``callbacks/``)."""
+    """Hooks a callback may implement (all optional; see ``callbacks/``).
+
+    ``meta`` carries ``output_dir`` (the run folder) so loggers can write from the start.
+    ``on_run_end`` is always called, also when the run crashes (``summary["complete"]`` is
+    then false), and one callback failing there does not stop the others.
+    """
 
     def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None: ...
+
+    def on_request_start(self, request: Request) -> None: ...
 
     def on_request_end(self, record: dict[str, Any]) -> None: ...
 
@@ -156,6 +163,10 @@ def _generation_metrics(gens: list[Generation]) -> dict[str, Any]:
     for g in gens:
         for k, v in g.times.as_dict(g.total_s).items():
             times[k] = times.get(k, 0.0) + v
+        for level, nested in g.nested_times.items():
+            for k, v in vars(nested).items():
+                key = f"nested/{level}/{k}"
+                times[key] = times.get(key, 0.0) + v
     levels: dict[str, list[int]] = {}
     for g in gens:
         for level, d in g.stats.level_drafted.items():
@@ -195,7 +206,7 @@ class Runner:
         callbacks: list[Any] | None = None,
     ) -> None:
         self.pipeline = pipeline
-        self.baseline = SpeculativePipeline(pipeline.target_verifier, PlainAcceptor(), name="ar")
+        self.baseline = SpeculativePipeline(pipeline.target_verifier, StandardAcceptor(), name="ar")
         self.tokenizer = tokenizer
         self.settings = settings
         self.sampling = sampling
@@ -209,11 +220,19 @@ class Runner:
             cache_root / "baselines" if settings.baseline_cache else None
         )
 
-    def _emit(self, hook: str, *args: Any) -> None:
+    def _emit(self, hook: str, *args: Any, safe: bool = False) -> None:
+        """Call ``hook`` on every callback having it; ``safe``: log errors, call them all."""
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)
-            if fn is not None:
+            if fn is None:
+                continue
+            if not safe:
                 fn(*args)
+                continue
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - every logger must get to finish
+                log.exception("callback %s.%s failed", type(cb).__name__, hook)
 
     def _baseline(self, prompt: list[int]) -> tuple[list[int], float, bool]:
         s = self.settings
@@ -317,13 +336,15 @@ class Runner:
             **meta,
             "machine": machine_description(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "output_dir": str(folder.path.resolve()),
         }
-        self._emit("on_run_start", meta, len(todo))
         complete = False
         try:
+            self._emit("on_run_start", meta, len(todo))
             if todo and self.settings.warmup:
                 self.warmup(todo[0])
             for request in todo:
+                self._emit("on_request_start", request)
                 record = self.run_request(request)
                 folder.append(record)
                 self._emit("on_request_end", record)
@@ -333,5 +354,5 @@ class Runner:
             records = [r for r in folder.records if r["request_id"] in wanted]
             summary = summarize(records, {**meta, "complete": complete})
             folder.write_summary(summary)
-            self._emit("on_run_end", summary, folder.path)
+            self._emit("on_run_end", summary, folder.path, safe=True)
         return summary

@@ -89,11 +89,15 @@ class Acceptance:
 
 @dataclass
 class StageTimes:
-    """Wall-clock seconds per stage, summed over a request."""
+    """Wall-clock seconds per stage, summed over a request.
+
+    A nested pipeline (a pipeline drafter, HiSpec's intermediate level) has its own
+    ``StageTimes`` in ``DecodeState.nested_times``; its seconds are part of the outer
+    ``draft_s`` and are reported as ``nested/<level>/<stage>_s``.
+    """
 
     prefill_s: float = 0.0
     draft_s: float = 0.0
-    intermediate_s: float = 0.0
     verify_s: float = 0.0
     accept_s: float = 0.0
 
@@ -101,7 +105,6 @@ class StageTimes:
         named = {
             "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,
-            "intermediate_s": self.intermediate_s,
             "verify_s": self.verify_s,
             "accept_s": self.accept_s,
         }
@@ -163,6 +166,7 @@ class DecodeState:
     scratch: dict[int, object] = field(default_factory=dict)
     # Round counters of nested pipelines (a pipeline used as a drafter), by level name.
     nested_stats: dict[str, RoundStats] = field(default_factory=dict)
+    nested_times: dict[str, StageTimes] = field(default_factory=dict)
 
     def stats_for_level(self, level: str) -> RoundStats:
         """The counters of the nested pipeline named ``level`` (created on first use)."""

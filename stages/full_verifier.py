@@ -8,6 +8,7 @@ import torch
 
 from specflow.models.resolve import as_layered_lm
 from specflow.state import DecodeState, Draft
+from specflow.verification import prefill, score_at_exit
 
 
 class FullVerifier:
@@ -22,12 +23,7 @@ class FullVerifier:
         self.info = self.lm.info
 
     def begin(self, state: DecodeState) -> None:
-        session = state.session(self.lm)
-        session.set_tokens(state.tokens)
-        session.prefill()
+        prefill(state, self.lm, self.info.num_layers)
 
     def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        session = state.session(self.lm)
-        n = len(state.tokens)
-        session.set_tokens(state.tokens + draft.tokens)
-        return session.logits(self.info.num_layers, n - 1, n + draft.k)  # [k+1, V]
+        return score_at_exit(state, self.lm, self.info.num_layers, draft)  # [k+1, V]

@@ -1,31 +1,32 @@
-"""Drafter ``model``: an independent draft model with its own KV cache.
+"""Drafter ``model`` / ``early_exit``: draft autoregressively with a model at an exit.
 
-Each round the draft model's session syncs to the committed tokens (catching up on the
-tokens committed since it last ran, and dropping its rejected drafts), then proposes k
-tokens one forward pass each, greedily or sampled with the request's sampling params
-(returning q, the distributions it sampled from).
+- An independent draft model (same tokenizer as the target) at its last layer: standard
+  speculative decoding; it keeps its own KV cache and catches up lazily.
+- The target model itself at an early exit L_d (``exit_layer``): self-speculation.  The
+  drafter shares the target's session, so the target verifier continues from the layer-L_d
+  hidden states the drafter kept (layers < L_d never run twice for a position).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from specflow.drafting import draft_with_model
 from specflow.errors import ConfigError
 from specflow.models.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
-from specflow.sampling import choose
 from specflow.state import DecodeState, Draft
+from specflow.verification import prefill
 
 
 class ModelDrafter:
-    """Draft with a separate (smaller) model of the target's tokenizer.
+    """Draft with ``model`` at ``exit_layer`` (default: its last layer).
 
     Args:
         model: the draft model (config mapping, name/path, or a loaded model).
         k: draft length.
-        exit_layer: draft from this exit of the draft model (default: its last layer).
+        exit_layer: draft from this exit (1..N); an early exit of the target is
+            self-speculative drafting.
     """
 
     name = "model"
@@ -47,21 +48,7 @@ class ModelDrafter:
         return [self.lm.info]
 
     def begin(self, state: DecodeState) -> None:
-        session = state.session(self.lm)
-        session.set_tokens(state.tokens)
-        session.prefill(self.exit_layer)
+        prefill(state, self.lm, self.exit_layer)
 
     def propose(self, state: DecodeState, k: int) -> Draft:
-        session = state.session(self.lm)
-        session.set_tokens(state.tokens)
-        tokens: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        for _ in range(k):
-            n = len(session.tokens)
-            logits = session.logits(self.exit_layer, n - 1, n)  # [1, V]
-            ids, probs = choose(logits, state.sampling, state.generator)
-            session.extend(ids)
-            tokens += ids
-            if probs is not None:
-                q_rows.append(probs)
-        return Draft(tokens, torch.cat(q_rows) if q_rows else None)
+        return draft_with_model(state, self.lm, self.exit_layer, k)

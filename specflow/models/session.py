@@ -52,7 +52,8 @@ class ModelSession:
         n = model.info.num_layers
         # kept[l]: h_l of positions [computed(l), computed(l-1)), shape [*, H]; kept[0] unused.
         self.kept: list[torch.Tensor | None] = [None] * (n + 1)
-        # h_N (last layer output) of positions [last_final_start, computed(N-1)).
+        # h_N (last layer output) of positions [final_start, final_start + rows): the latest
+        # contiguous block(s) the last layer computed, trimmed at every set_tokens.
         self.final_hidden: torch.Tensor | None = None
         self.final_start = 0
         self.layer_evals = 0  # sum over layers of positions processed (for reuse tests/metrics)
@@ -76,6 +77,12 @@ class ModelSession:
         keep = common_prefix_length(self.tokens, tokens)
         self.truncate(keep)
         self.tokens = list(tokens)
+        # Last-layer outputs before the new last token are never asked for again.
+        first_needed = len(tokens) - 1
+        if self.final_hidden is not None and self.final_start < first_needed:
+            drop = first_needed - self.final_start
+            self.final_hidden = self.final_hidden[drop:] if drop < len(self.final_hidden) else None
+            self.final_start = first_needed
 
     def extend(self, new_tokens: list[int]) -> None:
         """Append tokens (no computation happens until logits are asked for)."""
@@ -134,14 +141,23 @@ class ModelSession:
             if layer + 1 < n_layers:
                 prev = self.kept[layer + 1]
                 self.kept[layer + 1] = out if prev is None else torch.cat([prev, out], dim=0)
+            elif self.final_hidden is not None and (
+                self.final_start + len(self.final_hidden) == done
+            ):
+                self.final_hidden = torch.cat([self.final_hidden, out], dim=0)  # contiguous block
             else:
                 self.final_hidden, self.final_start = out, done
         if exit_layer == n_layers:
-            assert self.final_hidden is not None
+            if self.final_hidden is None:
+                return self._empty(), self.computed(n_layers - 1)
             return self.final_hidden, self.final_start
         kept = self.kept[exit_layer]
-        assert kept is not None, f"no hidden states kept at exit {exit_layer}"
+        if kept is None:  # every position up to `end` was already consumed deeper
+            return self._empty(), self.computed(exit_layer)
         return kept, self.computed(exit_layer)
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, self.model.info.hidden_size)
 
     def logits(self, exit_layer: int, start: int, end: int) -> torch.Tensor:
         """Logits ``[end-start, V]`` at ``exit_layer`` for positions ``[start, end)``.

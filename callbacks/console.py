@@ -1,0 +1,62 @@
+"""Callback ``console``: a readable report printed at the end of the run.
+
+The per-category table of ``specflow.results.format_table`` (tokens/s, plain decoding's
+tokens/s, speedup, tau, acceptance, fidelity), then acceptance per verification level,
+time per stage and task scores (method vs plain decoding), all with the slash-separated
+metric names used by every logger.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from callbacks.metrics import flatten_by_category, flatten_summary, stage_names
+from specflow.results import format_table
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """The whole end-of-run report as text."""
+    flat = flatten_summary(summary)
+    status = "complete" if summary.get("complete", True) else "INCOMPLETE (interrupted)"
+    lines = [
+        f"== {summary.get('method', 'run')} on {summary.get('target_model', '?')}: "
+        f"{summary.get('num_requests', 0)} requests, {status}",
+        format_table(summary),
+    ]
+    levels = sorted(k for k in flat if k.startswith("accept/rate/"))
+    if levels:
+        lines.append("acceptance per level: " + ", ".join(f"{k}={_fmt(flat[k])}" for k in levels))
+    stages = stage_names(flat)
+    total = flat.get("time/total_s") or 0.0
+    if stages and total:
+        lines.append(
+            "time per stage: "
+            + ", ".join(f"{k}={flat[k]:.2f} ({100 * flat[k] / total:.0f}%)" for k in stages)
+        )
+    tasks = sorted(k for k in flat if k.startswith("task/"))
+    if tasks:
+        by_cat = flatten_by_category(summary)
+        head = f"{'task metric':<32}{'category':<20}{'method':>10}{'baseline':>10}"
+        lines += [head, "-" * len(head)]
+        for key in tasks:
+            for cat, cflat in [*by_cat.items(), ("ALL", flat)]:
+                if key in cflat:
+                    base = cflat.get(f"baseline_{key}")
+                    lines.append(f"{key:<32}{cat:<20}{cflat[key]:>10.3f}{_fmt(base):>10}")
+    return "\n".join(lines)
+
+
+class ConsoleTable:
+    """Prints ``format_report(summary)`` when the run ends."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+
+    def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
+        print(format_report(summary), file=self.stream or sys.stdout, flush=True)

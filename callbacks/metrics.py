@@ -1,0 +1,191 @@
+"""One naming of metrics for every logger: slash-separated names from records and summaries.
+
+``flatten(metrics)`` turns a request record's ``metrics`` (plus its ``task`` scores) or a
+summary aggregate (overall or one ``by_category`` entry) into flat ``{name: float}``:
+
+========================  ===================================================
+name                      from
+========================  ===================================================
+throughput/tokens_per_s   ``tokens_per_s`` (method)
+throughput/baseline_...   ``baseline_tokens_per_s`` (plain decoding)
+throughput/speedup        ``speedup`` (also ``throughput/speedup_median``)
+accept/tau                ``tau`` = 1 + accepted / rounds
+accept/rate               ``acceptance_rate``; ``accept/rate/<level>`` per level
+accept/drafted, accepted  token counts
+count/...                 ``rounds``, ``target_calls``, ``new_tokens``, ``requests``...
+time/<stage>_s            ``time_per_stage``; ``time/total_s``, ``time/baseline_s``
+quality/fidelity          ``fidelity`` (summary) or ``matches_baseline`` (record, 0/1)
+task/<name>               task scores of the method's output
+baseline_task/<name>      task scores of plain decoding's output
+task_ratio/<name>         task / baseline_task (1.0 when both are 0)
+quality/accuracy_ratio    mean of the ``task_ratio/*`` (absent without task scores)
+========================  ===================================================
+
+``None`` values are left out; booleans become 0.0 / 1.0; counts stay integers.  The same
+names are used in the JSONL and CSV logs, wandb, the plots, the sweep summary and
+``specflow.compare``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+SCALARS: dict[str, str] = {
+    "tokens_per_s": "throughput/tokens_per_s",
+    "baseline_tokens_per_s": "throughput/baseline_tokens_per_s",
+    "speedup": "throughput/speedup",
+    "speedup_median": "throughput/speedup_median",
+    "tau": "accept/tau",
+    "acceptance_rate": "accept/rate",
+    "drafted": "accept/drafted",
+    "accepted": "accept/accepted",
+    "rounds": "count/rounds",
+    "target_calls": "count/target_calls",
+    "new_tokens": "count/new_tokens",
+    "baseline_tokens": "count/baseline_tokens",
+    "num_requests": "count/requests",
+    "total_s": "time/total_s",
+    "baseline_s": "time/baseline_s",
+    "fidelity": "quality/fidelity",
+    "matches_baseline": "quality/fidelity",
+    "baseline_cached": "run/baseline_cached",
+    "complete": "run/complete",
+}
+
+# Columns shown first, in this order, by tables and CSV files (the rest follow sorted).
+KEY_METRICS: tuple[str, ...] = (
+    "count/requests",
+    "throughput/tokens_per_s",
+    "throughput/baseline_tokens_per_s",
+    "throughput/speedup",
+    "accept/tau",
+    "accept/rate",
+    "quality/fidelity",
+    "quality/accuracy_ratio",
+)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a JSON-friendly number (ints stay ints), else ``None``."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and not math.isnan(value):
+        return value
+    return None
+
+
+def _task_name(key: str) -> str:
+    return key if key.startswith("task/") else f"task/{key}"
+
+
+def flatten(metrics: dict[str, Any], task: dict[str, Any] | None = None,
+            baseline_task: dict[str, Any] | None = None) -> dict[str, float]:
+    """Slash-named scalars of a record's ``metrics`` or a summary aggregate (module doc).
+
+    A summary aggregate carries its task scores inline (``task/x``, ``baseline_task/x``);
+    a record passes them as ``task`` and ``baseline_task``.
+    """
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if key in SCALARS:
+            v = _number(value)
+            if v is not None:
+                out[SCALARS[key]] = v
+        elif key == "time_per_stage" and isinstance(value, dict):
+            for stage, secs in value.items():
+                if (v := _number(secs)) is not None:
+                    out[f"time/{stage}"] = v
+        elif key == "levels" and isinstance(value, dict):  # record: {level: [drafted, acc]}
+            for level, (drafted, accepted) in value.items():
+                if drafted:
+                    out[f"accept/rate/{level}"] = accepted / drafted
+        elif key == "acceptance_by_level" and isinstance(value, dict):  # summary
+            for level, rate in value.items():
+                if (v := _number(rate)) is not None:
+                    out[f"accept/rate/{level}"] = v
+        elif key.startswith(("task/", "baseline_task/")):
+            if (v := _number(value)) is not None:
+                out[key] = v
+    for key, value in (task or {}).items():
+        if (v := _number(value)) is not None:
+            out[_task_name(key)] = v
+    for key, value in (baseline_task or {}).items():
+        if (v := _number(value)) is not None:
+            out[f"baseline_{_task_name(key)}"] = v
+    out.update(task_ratios(out))
+    return out
+
+
+def task_ratios(flat: dict[str, float]) -> dict[str, float]:
+    """``task_ratio/<name>`` per task score with a baseline, and their mean."""
+    ratios: dict[str, float] = {}
+    for key, value in flat.items():
+        if not key.startswith("task/"):
+            continue
+        base = flat.get(f"baseline_{key}")
+        if base is None:
+            continue
+        name = key.removeprefix("task/")
+        if base:
+            ratios[f"task_ratio/{name}"] = value / base
+        elif not value:
+            ratios[f"task_ratio/{name}"] = 1.0
+    if ratios:
+        ratios["quality/accuracy_ratio"] = sum(ratios.values()) / len(ratios)
+    return ratios
+
+
+def flatten_record(record: dict[str, Any]) -> dict[str, float]:
+    """Slash-named scalars of one request record (``metrics`` + task scores)."""
+    return flatten(record.get("metrics", {}), record.get("task"), record.get("baseline_task"))
+
+
+def flatten_summary(summary: dict[str, Any]) -> dict[str, float]:
+    """Slash-named scalars of a summary's overall aggregate (``by_category`` excluded)."""
+    return flatten({k: v for k, v in summary.items() if k != "by_category"})
+
+
+STAGES = ("prefill_s", "draft_s", "intermediate_s", "verify_s", "accept_s", "other_s")
+
+
+def stage_names(flat: dict[str, float]) -> list[str]:
+    """The ``time/<stage>_s`` names in ``flat``, in pipeline order (unknown stages last)."""
+    names = [k for k in flat if k.startswith("time/") and k not in ("time/total_s",
+                                                                     "time/baseline_s")]
+    order = {f"time/{s}": i for i, s in enumerate(STAGES)}
+    return sorted(names, key=lambda k: (order.get(k, len(order)), k))
+
+
+def flatten_by_category(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``{category: scalars}`` of a summary's ``by_category``."""
+    return {cat: flatten(agg) for cat, agg in summary.get("by_category", {}).items()}
+
+
+def ordered_columns(rows: list[dict[str, Any]], first: tuple[str, ...] = ()) -> list[str]:
+    """Every key of ``rows``: ``first``, then ``KEY_METRICS``, then the rest sorted."""
+    seen = {k for row in rows for k in row}
+    head = [k for k in (*first, *KEY_METRICS) if k in seen]
+    head = list(dict.fromkeys(head))
+    return head + sorted(seen - set(head))
+
+
+def run_dir(meta: dict[str, Any], explicit: str | Path | None = None) -> Path | None:
+    """Where a callback writes before ``on_run_end`` tells it the folder.
+
+    ``explicit`` (a callback's ``dir`` argument), else ``meta["output_dir"]``, else Hydra's
+    run folder when running under Hydra, else ``None`` (buffer until ``on_run_end``).
+    """
+    if explicit:
+        return Path(explicit)
+    if meta.get("output_dir"):
+        return Path(meta["output_dir"])
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # noqa: BLE001 - not under Hydra
+        return None

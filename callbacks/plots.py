@@ -1,0 +1,165 @@
+"""Callback ``plots``: PNG figures in the run folder (matplotlib, Agg backend).
+
+- ``speedup_by_category.png``: ``throughput/speedup`` per category and overall (bars), with
+  plain decoding as the dashed line at 1.0.
+- ``tau_hist.png``: tokens committed per round (``accepted_per_round + 1``) over all rounds.
+- ``time_per_stage.png``: milliseconds per generated token, stacked by stage
+  (``time/<stage>_s``), per category and overall, next to plain decoding's ms/token.
+- ``arm_choices.png``: only when records carry ``metrics.arms`` (the arm a bandit selector
+  chose, per round): the arm over rounds, and each arm's cumulative share.
+
+Each ``plot_*`` function is usable alone (``specflow.compare`` and the wandb logger use
+them); ``make_plots`` draws every figure that has data and returns the written paths.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from callbacks.metrics import flatten_by_category, flatten_summary, stage_names
+from specflow.results import REQUESTS_FILE, read_records
+
+PLOT_FILES = ("speedup_by_category.png", "tau_hist.png", "time_per_stage.png", "arm_choices.png")
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+    return path
+
+
+def plot_speedup_by_category(summary: dict[str, Any], path: Path) -> Path | None:
+    """Speedup bars per category + ALL; ``None`` when there is no baseline."""
+    rows = [(c, f.get("throughput/speedup")) for c, f in flatten_by_category(summary).items()]
+    rows.append(("ALL", flatten_summary(summary).get("throughput/speedup")))
+    rows = [(c, s) for c, s in rows if s is not None]
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.8 * len(rows) + 2), 3.5))
+    names = [c for c, _ in rows]
+    values = [s for _, s in rows]
+    colors = ["tab:blue"] * (len(rows) - 1) + ["tab:orange"]
+    bars = ax.bar(names, values, color=colors)
+    ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="plain decoding")
+    ax.set_ylabel("throughput/speedup (x)")
+    ax.set_title(f"{summary.get('method', 'run')}: speedup over plain decoding")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.tick_params(axis="x", labelrotation=30)
+    return _save(fig, path)
+
+
+def plot_tau_hist(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """Histogram of tokens per round (accepted + 1); ``None`` without rounds."""
+    taus = [a + 1 for r in records for a in r.get("metrics", {}).get("accepted_per_round", [])]
+    if not taus:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    edges = [x - 0.5 for x in range(1, max(taus) + 2)]
+    ax.hist(taus, bins=edges, rwidth=0.85)
+    mean = sum(taus) / len(taus)
+    ax.axvline(mean, color="tab:red", linestyle="--", label=f"accept/tau = {mean:.2f}")
+    ax.set_xlabel("tokens committed per round (accepted + 1)")
+    ax.set_ylabel("rounds")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_time_per_stage(summary: dict[str, Any], path: Path) -> Path | None:
+    """Stacked ms per generated token by stage, per category + ALL, with plain decoding."""
+    groups = [*flatten_by_category(summary).items(), ("ALL", flatten_summary(summary))]
+    groups = [(c, f) for c, f in groups if f.get("count/new_tokens")]
+    if not groups:
+        return None
+    stages = stage_names({k: 0.0 for _, f in groups for k in f})
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(groups) + 2), 3.8))
+    names = [c for c, _ in groups]
+    x = list(range(len(groups)))
+    bottom = [0.0] * len(groups)
+    for stage in stages:
+        ms = [1000 * f.get(stage, 0.0) / f["count/new_tokens"] for _, f in groups]
+        ax.bar([i - 0.2 for i in x], ms, width=0.4, bottom=bottom, label=stage)
+        bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
+    base = [f.get("throughput/baseline_tokens_per_s") for _, f in groups]
+    if any(base):
+        ax.bar([i + 0.2 for i in x], [1000 / b if b else 0.0 for b in base], width=0.4,
+               color="lightgray", edgecolor="k", label="plain decoding")
+    ax.set_xticks(x, names, rotation=30)
+    ax.set_ylabel("ms per generated token")
+    ax.set_title("time per stage")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
+
+
+def plot_arm_choices(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """The bandit's chosen arm per round; ``None`` when no record carries ``metrics.arms``."""
+    arms = [a for r in records for a in (r.get("metrics", {}).get("arms") or [])]
+    if not arms:
+        return None
+    plt = pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 4.5), sharex=True)
+    rounds = list(range(len(arms)))
+    top.scatter(rounds, arms, s=4)
+    top.set_ylabel("arm")
+    top.set_yticks(sorted(set(arms)))
+    top.set_title("arm chosen over rounds")
+    for arm in sorted(set(arms)):
+        count, share = 0, []
+        for i, a in enumerate(arms, start=1):
+            count += a == arm
+            share.append(count / i)
+        bottom.plot(rounds, share, label=f"arm {arm}")
+    bottom.set_xlabel("round (all requests, in order)")
+    bottom.set_ylabel("cumulative share")
+    bottom.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def make_plots(
+    summary: dict[str, Any], records: list[dict[str, Any]], folder: Path
+) -> list[Path]:
+    """Every figure with data, written into ``folder``; the paths written."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [
+        plot_speedup_by_category(summary, folder / PLOT_FILES[0]),
+        plot_tau_hist(records, folder / PLOT_FILES[1]),
+        plot_time_per_stage(summary, folder / PLOT_FILES[2]),
+        plot_arm_choices(records, folder / PLOT_FILES[3]),
+    ]
+    return [p for p in written if p is not None]
+
+
+def run_records(folder: Path, fallback: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run folder's records (resumed ones included), else ``fallback``."""
+    path = Path(folder) / REQUESTS_FILE
+    return read_records(path) if path.exists() else list(fallback)
+
+
+class Plots:
+    """Draws ``make_plots`` into the run folder when the run ends."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.written: list[Path] = []
+
+    def on_request_end(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
+        self.written = make_plots(summary, run_records(folder, self.records), folder)

@@ -1,0 +1,31 @@
+"""Autoregressive drafting with a model at one exit: the work of every model drafter."""
+
+from __future__ import annotations
+
+import torch
+
+from specflow.models.base import LayeredLM
+from specflow.sampling import choose
+from specflow.state import DecodeState, Draft
+
+
+def draft_with_model(state: DecodeState, lm: LayeredLM, exit_layer: int, k: int) -> Draft:
+    """Propose ``k`` tokens from ``lm`` at ``exit_layer``, one forward pass each.
+
+    The model's session first syncs to the committed tokens: it catches up on tokens
+    committed since it last ran and drops its rejected drafts.  Greedy: argmax, q = None;
+    sampling: tokens drawn from the warped distributions, returned as q ``[k, V]``.
+    """
+    session = state.session(lm)
+    session.set_tokens(state.tokens)
+    tokens: list[int] = []
+    q_rows: list[torch.Tensor] = []
+    for _ in range(k):
+        n = len(session.tokens)
+        logits = session.logits(exit_layer, n - 1, n)  # [1, V]
+        ids, probs = choose(logits, state.sampling, state.generator)
+        session.extend(ids)
+        tokens += ids
+        if probs is not None:
+            q_rows.append(probs)
+    return Draft(tokens, torch.cat(q_rows) if q_rows else None)

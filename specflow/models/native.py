@@ -1,0 +1,331 @@
+"""A native ``LayeredLM`` for the Llama/Qwen2 family, fast at batch 1 on CPU.
+
+Covers ``LlamaForCausalLM`` (SmolLM2, TinyLlama, Llama 2/3 without rope scaling) and
+``Qwen2ForCausalLM`` (Qwen2/2.5: q/k/v biases, often tied embeddings) with default RoPE and
+full attention in every layer; ``supports(config)`` says why anything else is refused.
+
+The weights are the HF model's own tensors (shared, same dtype); only the fused q/k/v and
+gate/up matrices are new (one matmul instead of three/two per layer, measured faster at
+batch 1).  Per layer and block of ``T`` positions ``[s, s+T)``:
+
+    x = h + o_proj(attn(rope(q), rope(k), v))      keys/values of [0, s+T) from the cache
+    h' = x + down(silu(gate(rms(x))) * up(rms(x)))
+
+Attention is causal *lower-right aligned*: query ``s+i`` sees keys ``<= s+i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specflow.errors import ConfigError, PromptTooLongError
+from specflow.models.base import ModelInfo
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def _rope_params(cfg) -> dict:
+    """``{"rope_type": ..., "rope_theta": ...}`` from a transformers v5 or v4-style config."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    scaling = getattr(cfg, "rope_scaling", None)
+    if scaling and "rope_type" not in params:
+        params["rope_type"] = scaling.get("rope_type", scaling.get("type"))
+    params.setdefault("rope_type", "default")
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
+    return params
+
+
+def supports(hf_config) -> tuple[bool, str]:
+    """Whether ``NativeLM`` computes exactly what HF computes for this config, and if not why."""
+    mt = getattr(hf_config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return False, f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        return False, f"hidden_act {act!r} is not 'silu'"
+    rope = _rope_params(hf_config)
+    if rope["rope_type"] not in (None, "default"):
+        return False, f"rope_type {rope['rope_type']!r} is not supported (only default RoPE)"
+    if isinstance(rope.get("partial_rotary_factor"), float) and rope["partial_rotary_factor"] != 1:
+        return False, "partial rotary embeddings are not supported"
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            return False, f"layer types {other} are not supported (only full attention)"
+    elif getattr(hf_config, "use_sliding_window", False):
+        return False, "sliding-window attention is not supported"
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % kv_heads:
+        return False, f"{heads} attention heads are not a multiple of {kv_heads} KV heads"
+    return True, ""
+
+
+class KVCache:
+    """Keys/values of one layer: positions ``[0, length)`` of preallocated buffers are valid.
+
+    ``k``, ``v``: ``[kv_heads, max_len, head_dim]``; RoPE is already applied to ``k``.
+    ``truncate`` only lowers ``length``; stale rows beyond it are overwritten on the next write.
+    """
+
+    def __init__(
+        self, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device
+    ) -> None:
+        self.k = torch.zeros(kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def truncate(self, n: int) -> None:
+        """Forget positions ``>= n`` (no-op when ``n >= length``)."""
+        if n < 0:
+            raise ValueError(f"cannot truncate a KV cache to {n} positions")
+        self.length = min(self.length, n)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights (views of the HF tensors, except the fused matrices)."""
+
+    ln1: torch.Tensor  # [H]
+    wqkv: torch.Tensor  # [(NH + 2*KH) * D, H]
+    bqkv: torch.Tensor | None  # [(NH + 2*KH) * D]
+    wo: torch.Tensor  # [H, NH * D]
+    bo: torch.Tensor | None  # [H]
+    ln2: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [2 * I, H]
+    b_gate_up: torch.Tensor | None  # [2 * I]
+    w_down: torch.Tensor  # [H, I]
+    b_down: torch.Tensor | None  # [H]
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
+    """The concatenated biases, zeros standing in for a missing one; None if all are missing."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    parts = [
+        _bias(lin) if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
+        for lin in linears
+    ]
+    return torch.cat(parts).detach()
+
+
+def _adopt(*modules: nn.Module) -> torch.Tensor:
+    """Re-lay the modules' ``[out_i, in]`` weights as one row-major ``[in, sum(out_i)]`` matrix.
+
+    Each module's ``weight`` is re-pointed at its column block of that matrix (a transposed
+    view), so the HF model and ``NativeLM`` share one copy and compute exactly as before.
+    Returns the ``[sum(out_i), in]`` transposed view, ready for ``F.linear``: with MKL this
+    layout is 1.5-2x faster than row-major ``[out, in]`` for blocks of 4-8 rows.
+    """
+    wt = torch.cat([m.weight.detach().t() for m in modules], dim=1).contiguous()  # [in, out]
+    col = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight.data = wt[:, col : col + n].t()  # [n, in] view
+        col += n
+    return wt.t()  # [out, in] view
+
+
+class NativeLM:
+    """Llama/Qwen2 as a ``LayeredLM`` (see module doc).
+
+    Attributes:
+        info: the model's ``ModelInfo``.
+        exit_heads: exit layer ``L`` -> module applied to ``h_L`` instead of the final norm
+            before the shared LM head (``lm_head(exit_heads[L](h))``).  Empty by default.
+
+    ``embed``/``run_layer`` run under ``torch.inference_mode`` (measured ~15% faster than
+    ``no_grad`` on tiny models): hidden states are inference tensors, so they cannot be edited
+    in place or saved for autograd (train exit heads on ``.clone()``-d copies).  ``head``
+    runs under ``no_grad`` and returns ordinary tensors.
+    """
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        *,
+        embed_weight: torch.Tensor,
+        layers: list[_Layer],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rms_eps: float,
+        rope_theta: float,
+        max_positions: int,
+    ) -> None:
+        if len(layers) != info.num_layers:
+            raise ConfigError(f"{info.name}: {len(layers)} layers but info says {info.num_layers}")
+        self.info = info
+        self.embed_weight = embed_weight  # [V, H]
+        self.layers = layers
+        self.final_norm = final_norm  # [H]
+        self.lm_head = lm_head  # [V, H]
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.eps = rms_eps
+        self.scale = head_dim**-0.5
+        self.hidden_size = embed_weight.shape[1]
+        self.dtype = embed_weight.dtype
+        self.device = embed_weight.device
+        self.exit_heads: dict[int, nn.Module] = {}
+        # RoPE tables exactly as HF's default rope: fp32 angles, cast to the model dtype.
+        inv_freq = 1.0 / (
+            rope_theta
+            ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float().to(self.device) / head_dim)
+        )
+        angles = torch.arange(max_positions, device=self.device).float()[:, None] * inv_freq
+        emb = torch.cat([angles, angles], dim=-1)  # [P, D]
+        half = head_dim // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
+        self.cos = emb.cos().to(self.dtype)  # [P, D]
+        # rotate_half(x) * sin == roll(x, D/2) * (sign * sin): fold the sign into the table.
+        self.sin_signed = (emb.sin().to(self.dtype) * sign.to(self.dtype)).contiguous()  # [P, D]
+        self._mask_key: tuple[int, int] | None = None
+        self._mask: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, info: ModelInfo) -> NativeLM:
+        """Wrap an in-memory HF Llama/Qwen2 causal LM, sharing its weight tensors."""
+        cfg = hf_model.config
+        ok, why = supports(cfg)
+        if not ok:
+            raise ConfigError(f"{info.name}: NativeLM does not support this model: {why}")
+        base = hf_model.model
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers = []
+        with torch.no_grad():
+            for blk in base.layers:
+                att, mlp = blk.self_attn, blk.mlp
+                layers.append(
+                    _Layer(
+                        ln1=blk.input_layernorm.weight.detach(),
+                        wqkv=_adopt(att.q_proj, att.k_proj, att.v_proj),
+                        bqkv=_cat_bias(att.q_proj, att.k_proj, att.v_proj),
+                        wo=_adopt(att.o_proj),
+                        bo=_bias(att.o_proj),
+                        ln2=blk.post_attention_layernorm.weight.detach(),
+                        w_gate_up=_adopt(mlp.gate_proj, mlp.up_proj),
+                        b_gate_up=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                        w_down=_adopt(mlp.down_proj),
+                        b_down=_bias(mlp.down_proj),
+                    )
+                )
+            embed = _adopt(base.embed_tokens)  # [V, H]
+            tied = hf_model.lm_head.weight is base.embed_tokens.weight
+            lm_head = base.embed_tokens.weight.detach() if tied else _adopt(hf_model.lm_head)
+        return cls(
+            info,
+            embed_weight=embed,
+            layers=layers,
+            final_norm=base.norm.weight.detach(),
+            lm_head=lm_head,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            rms_eps=cfg.rms_norm_eps,
+            rope_theta=_rope_params(cfg)["rope_theta"],
+            max_positions=cfg.max_position_embeddings,
+        )
+
+    # ------------------------------------------------------------------ LayeredLM
+    def new_layer_caches(self, max_len: int) -> list[KVCache]:
+        """One empty ``KVCache`` per layer, holding up to ``max_len`` positions."""
+        if max_len > self.cos.shape[0]:
+            raise PromptTooLongError(
+                f"{self.info.name} has RoPE tables for {self.cos.shape[0]} positions, "
+                f"not {max_len}; lower the context length"
+            )
+        kv = (self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
+        return [KVCache(*kv) for _ in self.layers]
+
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``token_ids [T] -> h_0 [T, H]``."""
+        return F.embedding(token_ids.to(self.device), self.embed_weight)
+
+    def _causal_mask(self, start: int, t: int) -> torch.Tensor:
+        """Additive mask ``[r*t, start+t]`` for the GQA-folded queries (see ``run_layer``).
+
+        Row ``j*t + i`` is query position ``start+i`` of the ``j``-th head in a KV group: 0 for
+        keys ``<= start+i``, -inf after (lower-right aligned).  Cached for the last ``(start, t)``
+        since every layer of a block asks for the same one.
+        """
+        if self._mask_key != (start, t):
+            keys = torch.arange(start + t, device=self.device)  # [start+t]
+            queries = torch.arange(start, start + t, device=self.device)  # [t]
+            mask = torch.zeros(t, start + t, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(keys[None, :] > queries[:, None], float("-inf"))
+            self._mask = mask.repeat(self.num_heads // self.num_kv_heads, 1)  # [r*t, start+t]
+            self._mask_key = (start, t)
+        return self._mask
+
+    @torch.inference_mode()
+    def run_layer(self, layer: int, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``h_layer [T, H] -> h_{layer+1} [T, H]`` for positions ``[cache.length, +T)``.
+
+        Attention is two ``bmm``s with the query heads of each KV group folded into the query
+        axis (``[KH, r*T, D]``): no K/V copies, and 3-20x faster on CPU than
+        ``scaled_dot_product_attention`` (which falls back to its math path with GQA/masks).
+        """
+        w = self.layers[layer]
+        t = hidden.shape[0]
+        s = cache.length
+        e = s + t
+        if e > cache.max_len:
+            raise PromptTooLongError(
+                f"position {e} is beyond this KV cache's {cache.max_len} positions"
+            )
+        nh, kh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        h = self.hidden_size
+
+        x = F.rms_norm(hidden, (h,), w.ln1, self.eps)  # [T, H]
+        qkv = F.linear(x, w.wqkv, w.bqkv)  # [T, (NH + 2KH) * D]
+        qk = qkv[:, : (nh + kh) * d].view(t, nh + kh, d)  # [T, NH + KH, D]
+        v = qkv[:, (nh + kh) * d :].view(t, kh, d)  # [T, KH, D]
+        qk = qk * self.cos[s:e, None] + qk.roll(d // 2, -1) * self.sin_signed[s:e, None]
+        cache.k[:, s:e] = qk[:, nh:].transpose(0, 1)  # [KH, T, D]
+        cache.v[:, s:e] = v.transpose(0, 1)
+        cache.length = e
+        q = qk[:, :nh].transpose(0, 1).reshape(kh, (nh // kh) * t, d)  # [KH, r*T, D]
+        keys_t = cache.k[:, :e].transpose(1, 2)  # [KH, D, e]
+        if t == 1:
+            scores = torch.bmm(q, keys_t).mul_(self.scale)  # [KH, r, e]
+        else:
+            scores = torch.baddbmm(self._causal_mask(s, t), q, keys_t, alpha=self.scale)
+        probs = scores.softmax(-1, dtype=torch.float32).to(self.dtype)  # [KH, r*T, e]
+        att = torch.bmm(probs, cache.v[:, :e]).view(nh, t, d)  # [NH, T, D]
+        x = F.linear(att.transpose(0, 1).reshape(t, nh * d), w.wo, w.bo)  # [T, H]
+        hidden = hidden + x
+
+        x = F.rms_norm(hidden, (h,), w.ln2, self.eps)  # [T, H]
+        gate, up = F.linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)  # [T, I] each
+        return hidden + F.linear(F.silu(gate) * up, w.w_down, w.b_down)  # [T, H]
+
+    @torch.no_grad()
+    def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
+        """``h_exit [T, H] -> logits [T, V]`` float32; an exit head replaces the final norm.
+
+        Runs under ``no_grad`` (not inference mode) so callers may edit the logits in place.
+        """
+        if not 1 <= exit_layer <= self.info.num_layers:
+            raise ValueError(f"exit layer must be in 1..{self.info.num_layers}, got {exit_layer}")
+        exit_head = self.exit_heads.get(exit_layer)
+        if exit_head is not None:
+            x = exit_head(hidden)  # [T, H]
+        else:
+            x = F.rms_norm(hidden, (self.hidden_size,), self.final_norm, self.eps)  # [T, H]
+        return F.linear(x, self.lm_head).float()  # [T, V]

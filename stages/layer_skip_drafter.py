@@ -1,0 +1,38 @@
+"""Drafter ``layer_skip``: self-speculation with the target minus a set of skipped layers.
+
+No second model in memory: the view shares the target's weights (its KV caches are its
+own, since skipping layers changes every later hidden state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specflow.drafting import draft_with_model
+from specflow.errors import ConfigError
+from specflow.models.base import ModelInfo
+from specflow.models.resolve import as_layered_lm
+from specflow.models.views import LayerSkipView
+from specflow.state import DecodeState, Draft
+from specflow.verification import prefill
+
+
+class LayerSkipDrafter:
+    """Draft with ``model`` skipping ``skip_layers`` (0-based decoder layer indices)."""
+
+    name = "layer_skip"
+
+    def __init__(self, model: Any, skip_layers: list[int], k: int = 4) -> None:
+        if k < 1:
+            raise ConfigError(f"drafter.k must be >= 1, got {k}")
+        self.view = LayerSkipView(as_layered_lm(model), list(skip_layers))
+        self.k = k
+
+    def models(self) -> list[ModelInfo]:
+        return [self.view.info]
+
+    def begin(self, state: DecodeState) -> None:
+        prefill(state, self.view, self.view.info.num_layers)
+
+    def propose(self, state: DecodeState, k: int) -> Draft:
+        return draft_with_model(state, self.view, self.view.info.num_layers, k)

@@ -1,0 +1,474 @@
+"""Run callbacks, the sweep summary and ``specflow.compare`` on synthetic records (fast)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from callbacks.console import ConsoleTable
+from callbacks.csv_logger import CsvLogger
+from callbacks.jsonl import JsonlLogger
+from callbacks.metrics import flatten_record, flatten_summary
+from callbacks.plots import Plots
+from callbacks.progress import ProgressBar
+from callbacks.sweep import SUMMARY_CSV, SweepSummary, objective
+from specflow import compare
+from specflow.engine import Generation
+from specflow.results import RunFolder, read_records, summarize
+from specflow.runner import Runner, RunSettings
+from specflow.state import RoundStats, SamplingParams, StageTimes
+from specflow.workload import Request
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_record(i: int, category: str, task: dict[str, float] | None = None,
+                arms: list[int] | None = None) -> dict[str, Any]:
+    """A record shaped like ``Runner.run_request``'s (4 rounds, k=3)."""
+    accepted = [1, 2, 3, i % 4]
+    new_tokens = sum(accepted) + len(accepted)
+    total_s = 0.5 + 0.1 * i
+    metrics: dict[str, Any] = {
+        "new_tokens": new_tokens,
+        "total_s": total_s,
+        "tokens_per_s": new_tokens / total_s,
+        "rounds": 4,
+        "target_calls": 4,
+        "drafted": 12,
+        "accepted": sum(accepted),
+        "tau": 1 + sum(accepted) / 4,
+        "acceptance_rate": sum(accepted) / 12,
+        "levels": {"intermediate": [12, 9], "target": [12, sum(accepted)]},
+        "time_per_stage": {"prefill_s": 0.05, "draft_s": 0.1, "intermediate_s": 0.05,
+                           "verify_s": 0.2, "accept_s": 0.01, "other_s": total_s - 0.41},
+        "drafted_per_round": [3, 3, 3, 3],
+        "accepted_per_round": accepted,
+        "baseline_tokens": new_tokens,
+        "baseline_s": 2 * total_s,
+        "baseline_tokens_per_s": new_tokens / (2 * total_s),
+        "baseline_cached": False,
+        "speedup": 2.0,
+        "matches_baseline": i != 3,
+    }
+    if arms is not None:
+        metrics["arms"] = arms
+    record = {
+        "request_id": f"r{i}",
+        "category": category,
+        "subcategory": None,
+        "output_text": "answer",
+        "turns": [{"prompt_tokens": 5, "output_text": "answer", "output_tokens": [1] * new_tokens,
+                   "new_tokens": new_tokens, "total_s": total_s, "stop_reason": "length"}],
+        "metrics": metrics,
+        "task": task or {},
+        "baseline_task": task or {},
+    }
+    return record
+
+
+@pytest.fixture
+def records() -> list[dict[str, Any]]:
+    return [
+        fake_record(0, "math_reasoning", {"task/gsm8k_exact": 1.0}, arms=[0, 1, 1, 2]),
+        fake_record(1, "math_reasoning", {"task/gsm8k_exact": 0.0}, arms=[1, 1, 2, 2]),
+        fake_record(2, "translation", {"task/bleu": 30.0}),
+        fake_record(3, "writing"),
+    ]
+
+
+@pytest.fixture
+def summary(records) -> dict[str, Any]:
+    return summarize(records, {"method": "sps", "target_model": "tiny", "complete": True})
+
+
+def drive(callback: Any, records: list[dict[str, Any]], summary: dict[str, Any],
+          folder: Path) -> Any:
+    """Call the hooks the way ``Runner.run`` does."""
+    meta = {"method": "sps", "target_model": "tiny", "models": ["tiny"],
+            "output_dir": str(folder), "config": {"method": "sps"}}
+    for hook, args in [("on_run_start", (meta, len(records)))]:
+        if hasattr(callback, hook):
+            getattr(callback, hook)(*args)
+    for r in records:
+        if hasattr(callback, "on_request_end"):
+            callback.on_request_end(r)
+    if hasattr(callback, "on_run_end"):
+        callback.on_run_end(summary, folder)
+    return callback
+
+
+# --- metric names ----------------------------------------------------------------------------
+
+
+def test_record_and_summary_share_slash_names(records, summary):
+    rec = flatten_record(records[0])
+    run = flatten_summary(summary)
+    for name in ("throughput/tokens_per_s", "throughput/speedup", "accept/tau", "accept/rate",
+                 "accept/rate/intermediate", "accept/rate/target", "time/draft_s",
+                 "time/verify_s", "quality/fidelity", "task/gsm8k_exact",
+                 "baseline_task/gsm8k_exact", "quality/accuracy_ratio"):
+        assert name in rec, name
+        assert name in run, name
+    assert rec["accept/rate/intermediate"] == pytest.approx(0.75)
+    assert rec["quality/fidelity"] == 1.0
+    assert run["quality/fidelity"] == pytest.approx(0.75)
+    assert run["count/requests"] == 4
+    assert all("/" in k for k in run)
+
+
+def test_objective_gates_on_accuracy_floor(summary):
+    assert objective(summary) == pytest.approx(summary["speedup"])
+    assert objective(summary, accuracy_floor=0.9) == pytest.approx(summary["speedup"])
+    worse = {**summary, "task/gsm8k_exact": 0.2}  # baseline 0.5: ratio 0.4 (bleu 1.0)
+    assert flatten_summary(worse)["quality/accuracy_ratio"] == pytest.approx(0.7)
+    assert objective(worse, accuracy_floor=0.9) == 0.0
+    assert objective(worse, metric="accept/tau", accuracy_floor=0.5) == pytest.approx(
+        summary["tau"]
+    )
+    assert objective({"speedup": None}) is None
+
+
+# --- each callback writes what it should -------------------------------------------------------
+
+
+def test_jsonl_logger(tmp_path, records, summary):
+    drive(JsonlLogger(), records, summary, tmp_path)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    events = [x["event"] for x in lines]
+    assert events == ["run_start"] + ["request"] * 4 + ["category"] * 3 + ["summary"]
+    assert lines[1]["request_id"] == "r0"
+    assert lines[1]["accept/tau"] == pytest.approx(records[0]["metrics"]["tau"])
+    assert lines[-1]["throughput/speedup"] == pytest.approx(summary["speedup"])
+    assert lines[-1]["complete"] is True
+
+
+def test_jsonl_logger_without_known_folder_writes_at_the_end(tmp_path, records, summary):
+    cb = JsonlLogger()
+    cb.on_run_start({"method": "sps"}, 1)  # no output_dir, not under Hydra: buffered
+    cb.on_request_end(records[0])
+    assert not list(tmp_path.iterdir())
+    cb.on_run_end(summary, tmp_path)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["event"] for x in lines][:2] == ["run_start", "request"]
+
+
+def test_csv_logger(tmp_path, records, summary):
+    drive(CsvLogger(), records, summary, tmp_path)
+    with (tmp_path / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["request_id"] for r in rows] == ["r0", "r1", "r2", "r3"]
+    assert {"category", "throughput/speedup", "accept/tau", "time/draft_s"} <= set(rows[0])
+    assert rows[2]["task/bleu"] == "30.0" and rows[0]["task/bleu"] == ""
+    with (tmp_path / "summary.csv").open() as f:
+        cats = list(csv.DictReader(f))
+    assert [c["category"] for c in cats] == ["math_reasoning", "translation", "writing", "ALL"]
+    assert float(cats[-1]["throughput/speedup"]) == pytest.approx(summary["speedup"])
+
+
+def test_console_table(tmp_path, records, summary):
+    out = io.StringIO()
+    drive(ConsoleTable(stream=out), records, summary, tmp_path)
+    text = out.getvalue()
+    for needle in ("sps on tiny", "math_reasoning", "translation", "ALL",
+                   "accept/rate/intermediate", "time/verify_s", "task/gsm8k_exact"):
+        assert needle in text, needle
+
+
+def test_plots(tmp_path, records, summary):
+    cb = drive(Plots(), records, summary, tmp_path)
+    names = {"speedup_by_category.png", "tau_hist.png", "time_per_stage.png", "arm_choices.png"}
+    assert {p.name for p in cb.written} == names
+    for name in names:
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plots_without_arms_or_baseline(tmp_path, records):
+    for r in records:
+        r["metrics"].pop("arms", None)
+        for k in ("baseline_tokens", "baseline_s", "baseline_tokens_per_s", "speedup"):
+            r["metrics"].pop(k)
+    summary = summarize(records, {"method": "pld"})
+    cb = drive(Plots(), records, summary, tmp_path)
+    assert {p.name for p in cb.written} == {"tau_hist.png", "time_per_stage.png"}
+
+
+def test_progress_bar_live_numbers(tmp_path, records, summary):
+    cb = ProgressBar(disable=True)
+    cb.on_run_start({"method": "sps"}, len(records))
+    for r in records:
+        cb.on_request_end(r)
+    post = cb.postfix()
+    assert float(post["speedup"]) == pytest.approx(2.0, abs=0.01)
+    assert float(post["tau"]) == pytest.approx(summary["tau"], abs=0.01)
+    cb.on_run_end(summary, tmp_path)
+    assert cb.bar is None
+
+
+# --- wandb ------------------------------------------------------------------------------------
+
+
+def test_wandb_offline_writes_run_files(tmp_path, monkeypatch, records, summary):
+    pytest.importorskip("wandb")
+    import wandb
+
+    from callbacks.wandb_logger import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    drive(WandbLogger(tags=["test"], console="off"), records, summary, tmp_path)
+    assert wandb.run is None  # finished
+    wandb.teardown()  # stop wandb's service process: it closes (flushes) the run file
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    blob = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))
+    for key in ("throughput/speedup", "throughput/tokens_per_s", "accept/tau",
+                "accept/rate/intermediate", "time/draft_s", "task/gsm8k_exact",
+                "quality/fidelity", "tables/by_category", "plots/tau_hist"):
+        assert key.encode() in blob, key
+    media = {p.name.split("_")[0] for p in (runs[0] / "files" / "media").rglob("*.*")}
+    assert {"speedup", "tau", "time", "arm", "by"} <= media
+
+
+class _FakeRun:
+    def __init__(self) -> None:
+        self.summary: dict[str, Any] = {}
+        self.finished: int | None = None
+
+    def log(self, data: dict[str, Any], step: int | None = None) -> None:
+        if "tables/by_category" in data:
+            raise RuntimeError("logging failed")
+
+    def finish(self, exit_code: int = 0) -> None:
+        self.finished = exit_code
+
+
+def test_wandb_finishes_even_when_logging_fails(tmp_path, monkeypatch, records, summary):
+    pytest.importorskip("wandb")
+    import wandb
+
+    from callbacks.wandb_logger import WandbLogger
+
+    fake = _FakeRun()
+    monkeypatch.setattr(wandb, "init", lambda **kw: fake)
+    cb = WandbLogger()
+    cb.on_run_start({"method": "sps", "output_dir": str(tmp_path)}, 2)
+    cb.on_request_end(records[0])
+    with pytest.raises(RuntimeError, match="logging failed"):
+        cb.on_run_end({**summary, "complete": False}, tmp_path)
+    assert fake.finished == 1  # marked failed, but finished
+
+
+# --- a crashing run ---------------------------------------------------------------------------
+
+
+class _Tok:
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 50 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+class _CrashingPipeline:
+    """Generates 3 tokens for the first request, raises on the second."""
+
+    target_verifier = SimpleNamespace(info=None)  # the runner wraps it for plain decoding
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def generate(self, prompt, max_new, sampling, seed) -> Generation:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("boom")
+        stats = RoundStats(rounds=2, drafted=4, accepted=1, target_calls=2,
+                           drafted_per_round=[2, 2], accepted_per_round=[1, 0])
+        return Generation([1, 2, 3], stats, StageTimes(verify_s=0.01), 0.02, "length")
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.summary: dict[str, Any] | None = None
+
+    def on_run_start(self, meta, num_requests) -> None:
+        self.calls.append("start")
+
+    def on_request_end(self, record) -> None:
+        self.calls.append(record["request_id"])
+
+    def on_run_end(self, summary, folder) -> None:
+        self.calls.append("end")
+        self.summary = summary
+
+
+def test_crashing_run_finishes_loggers_and_keeps_requests(tmp_path):
+    recorder, jsonl, csv_cb = _Recorder(), JsonlLogger(), CsvLogger()
+    settings = RunSettings(max_new_tokens=3, warmup=False, baseline=False,
+                           baseline_cache=False, cache_dir=str(tmp_path / "cache"))
+    runner = Runner(_CrashingPipeline(), _Tok(), settings, SamplingParams(0.0, 0, 1.0),
+                    [recorder, jsonl, csv_cb])
+    requests = [Request(f"q{i}", "writing", (f"prompt {i}",)) for i in range(3)]
+    folder = RunFolder(tmp_path / "run", resume=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        runner.run(requests, folder, {"method": "stub", "output_dir": str(folder.path)})
+    assert recorder.calls == ["start", "q0", "end"]
+    assert recorder.summary["complete"] is False
+    assert [r["request_id"] for r in read_records(folder.path / "requests.jsonl")] == ["q0"]
+    assert json.loads((folder.path / "summary.json").read_text())["num_requests"] == 1
+    events = [json.loads(x)["event"] for x in (folder.path / "metrics.jsonl").open()]
+    assert events[-1] == "summary"
+    assert (folder.path / "requests.csv").exists()
+
+
+# --- sweeps -----------------------------------------------------------------------------------
+
+
+def _fake_job(sweep: Path, name: str, overrides: list[str], speedup: float) -> None:
+    job = sweep / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    summary = {"method": "fly", "complete": True, "num_requests": 2, "tokens_per_s": 10 * speedup,
+               "baseline_tokens_per_s": 10.0, "speedup": speedup, "tau": 2.0,
+               "task/gsm8k_exact": 0.5, "baseline_task/gsm8k_exact": 0.5,
+               "by_category": {}}
+    (job / "summary.json").write_text(json.dumps(summary))
+
+
+def test_sweep_summary_collects_every_job(tmp_path, capsys):
+    _fake_job(tmp_path, "0_acceptor.theta=0.3", ["+experiment=fly", "acceptor.theta=0.3"], 1.5)
+    _fake_job(tmp_path, "1_acceptor.theta=0.7", ["+experiment=fly", "acceptor.theta=0.7"], 1.9)
+    (tmp_path / "2_failed" / ".hydra").mkdir(parents=True)  # a crashed job: no summary
+    (tmp_path / "2_failed" / ".hydra" / "overrides.yaml").write_text("- acceptor.theta=0.9\n")
+    (tmp_path / "2_failed" / "error.txt").write_text("Traceback...\nRuntimeError: boom\n")
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    SweepSummary().on_multirun_end(config=config)
+    with (tmp_path / SUMMARY_CSV).open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["acceptor.theta"] for r in rows] == ["0.3", "0.7", "0.9"]
+    assert [r["experiment"] for r in rows] == ["fly", "fly", ""]
+    assert [r["throughput/speedup"] for r in rows] == ["1.5", "1.9", ""]
+    assert rows[0]["quality/accuracy_ratio"] == "1.0"
+    assert [r["error"] for r in rows] == ["", "", "RuntimeError: boom"]
+    out = capsys.readouterr().out
+    assert "+experiment=fly acceptor.theta=0.7" in out and "FAILED: RuntimeError: boom" in out
+    assert (tmp_path / "sweep_summary.txt").exists()
+
+
+APP = """
+import json, sys
+from pathlib import Path
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg):
+    out = Path(HydraConfig.get().runtime.output_dir)
+    summary = {"method": "stub", "complete": True, "speedup": float(cfg.x), "tau": 1.5,
+               "by_category": {}}
+    (out / "summary.json").write_text(json.dumps(summary))
+    return cfg.x
+
+main()
+"""
+
+
+def test_two_job_multirun_writes_sweep_summary(tmp_path):
+    """A real Hydra multirun (a stub task, no models) with conf/hydra/callbacks/sweep_summary."""
+    (tmp_path / "conf" / "hydra" / "callbacks").mkdir(parents=True)
+    shutil.copy(ROOT / "conf" / "hydra" / "callbacks" / "sweep_summary.yaml",
+                tmp_path / "conf" / "hydra" / "callbacks")
+    (tmp_path / "conf" / "config.yaml").write_text(textwrap.dedent("""
+        defaults:
+          - override hydra/callbacks: sweep_summary
+          - _self_
+        x: 0
+        hydra:
+          sweep:
+            dir: sweep
+            subdir: ${hydra.job.num}_${hydra.job.override_dirname}
+        """))
+    (tmp_path / "app.py").write_text(APP)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run([sys.executable, "app.py", "-m", "x=2,3"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    with (tmp_path / "sweep" / SUMMARY_CSV).open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["x"], r["throughput/speedup"]) for r in rows] == [("2", "2.0"), ("3", "3.0")]
+    assert "sweep summary:" in proc.stdout
+
+
+def test_launcher_configs_compose():
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    from hydra import compose, initialize_config_dir
+
+    from specflow.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+launcher=local"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("JoblibLauncher")
+    assert cfg.hydra.launcher.n_jobs == 2
+
+
+# --- compare ----------------------------------------------------------------------------------
+
+
+def test_compare_prints_runs_side_by_side(tmp_path, records, summary, capsys):
+    a, b = tmp_path / "sps", tmp_path / "pld"
+    a.mkdir()
+    (a / "summary.json").write_text(json.dumps(summary))
+    b.mkdir()  # a run that died before summary.json: recomputed from requests.jsonl
+    (b / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    rc = compare.main([str(a), str(b), "--plot", str(tmp_path / "cmp.png"),
+                       "--csv", str(tmp_path / "cmp.csv")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "sps" in out and "pld" in out
+    for needle in ("throughput/speedup", "accept/tau", "quality/fidelity", "task/gsm8k_exact",
+                   "translation: throughput/speedup"):
+        assert needle in out, needle
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == PNG_MAGIC
+    rows = list(csv.reader((tmp_path / "cmp.csv").open()))
+    assert rows[0] == ["metric", "sps", "pld"]
+
+
+def test_compare_rejects_a_non_run_folder(tmp_path, capsys):
+    assert compare.main([str(tmp_path)]) == 2
+    assert "not a run folder" in capsys.readouterr().err
+
+
+class _Broken:
+    def on_run_end(self, summary, folder) -> None:
+        raise RuntimeError("logger bug")
+
+
+def test_a_failing_logger_does_not_stop_the_others(tmp_path):
+    recorder = _Recorder()
+    settings = RunSettings(max_new_tokens=3, warmup=False, baseline=False,
+                           baseline_cache=False, cache_dir=str(tmp_path / "cache"))
+    runner = Runner(_CrashingPipeline(), _Tok(), settings, SamplingParams(0.0, 0, 1.0),
+                    [_Broken(), recorder])
+    folder = RunFolder(tmp_path / "run", resume=False)
+    summary = runner.run([Request("q0", "writing", ("hi",))], folder, {"method": "stub"})
+    assert summary["complete"] is True
+    assert recorder.calls == ["start", "q0", "end"]
+    assert summary["output_dir"] == str(folder.path.resolve())

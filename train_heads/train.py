@@ -1,0 +1,279 @@
+"""Train early-exit heads by self-distillation: ``python -m train_heads.train [overrides]``.
+
+Steps (each timed and written to ``<run dir>/report.md`` and ``metrics.json``):
+
+1. load the base model (``model``), resolve the exits (``layers``);
+2. data: load the hidden-state cache for this model + data config, or build it: greedy
+   self-generated continuations of the train and held-out prompts, with every exit's
+   hidden states and the final layer's top-k (``train_heads.generate``/``cache``);
+3. evaluate the untrained exits (final norm + LM head) on the held-out prompts;
+4. fit the heads with Lightning (``trainer``, ``logger``, checkpoints, progress bar);
+5. evaluate again with the trained heads attached through the inference path
+   (``specflow.models.exit_heads.attach_heads`` + ``lm.head``);
+6. save the heads (safetensors + metadata) to the run dir and, with ``output.install``, to
+   ``~/.cache/specflow/heads/<model>/heads.safetensors`` where specflow finds them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python train_heads/train.py`: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from specflow.errors import ConfigError  # noqa: E402
+from specflow.models.exit_heads import (  # noqa: E402
+    ExitHead,
+    attach_heads,
+    default_heads_path,
+    save_heads,
+)
+from train_heads.cache import (  # noqa: E402
+    HiddenCache,
+    build_cache,
+    cache_key,
+    find_cached,
+    layers_filename,
+)
+from train_heads.evaluate import as_dict, evaluate_exits, metrics_table  # noqa: E402
+from train_heads.prompts import Prompt, random_prompts, shared_prefix, specbench_prompts  # noqa: E402,E501
+
+log = logging.getLogger("train_heads")
+CACHE_VERSION = 1
+
+
+def resolve_layers(cfg: DictConfig, num_layers: int) -> list[int]:
+    """``layers.exits`` if given, else ``round(f * N)`` for ``layers.fractions``."""
+    if cfg.get("exits"):
+        exits = [int(x) for x in cfg.exits]
+    else:
+        exits = [max(1, round(float(f) * num_layers)) for f in cfg.fractions]
+    bad = [x for x in exits if not 1 <= x < num_layers]
+    if bad:
+        raise ConfigError(f"layers {bad} are not early exits of a {num_layers}-layer model "
+                          f"(use 1..{num_layers - 1})")
+    return sorted(set(exits))
+
+
+def load_prompts(data: DictConfig, loaded: Any) -> list[Prompt]:
+    if data.source == "specbench":
+        if loaded.tokenizer is None:
+            raise ConfigError("data.source=specbench needs a tokenizer; use data=random")
+        return specbench_prompts(loaded.tokenizer, data.path, data.max_prompt_tokens,
+                                 data.chat_template, data.eval_every, data.eval_offset,
+                                 data.limit)
+    if data.source == "random":
+        return random_prompts(data.num_prompts, data.prompt_len, loaded.info.vocab_size,
+                              data.eval_every, data.eval_offset, data.seed,
+                              loaded.info.eos_token_ids)
+    raise ConfigError(f"data.source={data.source!r} is unknown; use specbench or random")
+
+
+def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Prompt]
+              ) -> tuple[HiddenCache, dict[str, Any]]:
+    """Load the cache for (model, data config) holding ``layers``, or build and save it."""
+    lm, info = loaded.lm, loaded.info
+    data = cfg.data
+    key_parts = {
+        "version": CACHE_VERSION, "model": info.name, "weights": info.weights_fingerprint,
+        "dtype": str(getattr(lm, "dtype", "")),
+        "data": OmegaConf.to_container(data, resolve=True),
+    }
+    for k in ("batch_size", "val_max_rows", "cache_dir", "gen_batch_size"):
+        key_parts["data"].pop(k, None)
+    directory = Path(data.cache_dir).expanduser() / Path(info.name).name / cache_key(key_parts)
+    found = find_cached(directory, layers + [info.num_layers])
+    if found is not None:
+        log.info("loading cached hidden states %s", found)
+        return HiddenCache.load(found, layers), {"cache": str(found), "built": False}
+    from train_heads.generate import generate_with_hidden
+
+    timings = {}
+    n = info.num_layers
+    parts = []
+    for split, new in ((0, data.max_new_tokens), (1, data.eval_max_new_tokens)):
+        ps = [p for p in prompts if p.split == split]
+        t0 = time.perf_counter()
+        parts.append((ps, generate_with_hidden(
+            lm, [p.ids for p in ps], layers, new, data.gen_batch_size, info.eos_token_ids,
+            progress=cfg.progress,
+        )))
+        timings[f"generate_{'train' if split == 0 else 'eval'}_s"] = time.perf_counter() - t0
+    gens = [g for _, gs in parts for g in gs]
+    splits = [p.split for ps, _ in parts for p in ps]
+    meta = {
+        "model": info.name, "weights_fingerprint": info.weights_fingerprint,
+        "prompt_ids": [p.prompt_id for ps, _ in parts for p in ps], "key": key_parts,
+    }
+    t0 = time.perf_counter()
+    cache = build_cache(gens, splits, lambda h: lm.head(h, n), n, data.topk, meta)
+    timings["teacher_topk_s"] = time.perf_counter() - t0
+    cache.meta["timings"] = timings
+    path = directory / layers_filename(layers + [n])
+    cache.save(path)
+    (directory / "key.json").write_text(json.dumps(key_parts, indent=2, default=str))
+    log.info("cached hidden states to %s (%s)", path, timings)
+    return cache, {"cache": str(path), "built": True, **timings}
+
+
+def make_logger(cfg: DictConfig, out_dir: Path):
+    """The Lightning logger named by ``logger.kind``: csv, wandb (offline by default), none."""
+    kind = cfg.kind
+    if kind == "none":
+        return False
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(out_dir), name=cfg.get("name") or "csv")
+    if kind == "wandb":
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "logger=wandb needs the wandb package (pip install wandb); or use logger=csv"
+            ) from None
+        from lightning.pytorch.loggers import WandbLogger
+
+        return WandbLogger(project=cfg.project, name=cfg.get("name"), save_dir=str(out_dir),
+                           offline=bool(cfg.offline))
+    raise ConfigError(f"logger.kind={kind!r} is unknown; use csv, wandb or none")
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
+    """Run the whole job (see module doc); returns the metrics dict also written to disk."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+
+    from train_heads.datamodule import ExitDataModule
+    from train_heads.module import ExitHeadDistiller
+
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    if loaded is None:
+        from specflow.models.loading import load_model
+
+        loaded = load_model(cfg.model.name, dtype=cfg.model.dtype, backend="native")
+    times["load_model_s"] = time.perf_counter() - t0
+    lm, info = loaded.lm, loaded.info
+    if not hasattr(lm, "lm_head"):
+        raise ConfigError(f"{info.name}: exit heads need the native backend")
+    saved_heads, lm.exit_heads = dict(lm.exit_heads), {}
+    try:
+        layers = resolve_layers(cfg.layers, info.num_layers)
+        prompts = load_prompts(cfg.data, loaded)
+        skip = shared_prefix(prompts) if cfg.data.skip_prefix == "auto" else int(
+            cfg.data.skip_prefix)
+        t0 = time.perf_counter()
+        cache, cache_info = get_cache(cfg, loaded, layers, prompts)
+        times["data_s"] = time.perf_counter() - t0
+        log.info("layers %s; %d rows (%d train rows), skip %d", layers, cache.num_rows,
+                 int(cache.rows(0, skip=skip).numel()), skip)
+
+        t0 = time.perf_counter()
+        before = evaluate_exits(lm.head, cache, layers, cfg.eval_k, skip)
+        times["eval_before_s"] = time.perf_counter() - t0
+
+        heads = {
+            layer: ExitHead(info.hidden_size, cfg.head.head_type, cfg.head.rank, lm.eps,
+                            lm.final_norm)
+            for layer in layers
+        }
+        module = ExitHeadDistiller(lm.lm_head, heads, **cfg.loss, **cfg.optim)
+        dm = ExitDataModule(cache, layers, cfg.data.batch_size, skip, cfg.data.val_max_rows,
+                            cfg.seed)
+        callbacks: list = [TQDMProgressBar(refresh_rate=1)] if cfg.progress else []
+        ckpt = None
+        if cfg.checkpoint.enabled:
+            ckpt = ModelCheckpoint(dirpath=str(out_dir / "checkpoints"),
+                                   monitor=cfg.checkpoint.monitor, mode="min",
+                                   save_last=True, save_top_k=1)
+            callbacks.append(ckpt)
+        trainer = L.Trainer(
+            **OmegaConf.to_container(cfg.trainer, resolve=True),
+            logger=make_logger(cfg.logger, out_dir),
+            callbacks=callbacks,
+            enable_progress_bar=bool(cfg.progress),
+            enable_checkpointing=ckpt is not None,
+            default_root_dir=str(out_dir),
+        )
+        t0 = time.perf_counter()
+        trainer.fit(module, dm)
+        times["train_s"] = time.perf_counter() - t0
+        if ckpt is not None and ckpt.best_model_path:
+            state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=False)
+            module.load_state_dict(state["state_dict"])
+            log.info("restored best checkpoint %s", ckpt.best_model_path)
+        heads = {k: v.cpu() for k, v in module.exit_heads().items()}
+
+        attach_heads(lm, heads)
+        t0 = time.perf_counter()
+        after = evaluate_exits(lm.head, cache, layers, cfg.eval_k, skip)
+        times["eval_after_s"] = time.perf_counter() - t0
+
+        table = metrics_table(before, after, info.num_layers, cfg.eval_k)
+        result = {
+            "model": info.name, "weights_fingerprint": info.weights_fingerprint,
+            "layers": layers, "head": OmegaConf.to_container(cfg.head),
+            "before": as_dict(before), "after": as_dict(after),
+            "times_s": times, "cache": cache_info, "skip_prefix": skip,
+            "train_rows": int(dm.train_rows.numel()), "val_rows": int(dm.val_rows.numel()),
+            "eval_prompt_ids": [p.prompt_id for p in prompts if p.split == 1],
+            "train_steps": int(trainer.global_step), "peak_rss_gb": _peak_rss_gb(),
+            "threads": torch.get_num_threads(),
+        }
+        extra = {k: result[k] for k in ("before", "after", "train_steps", "train_rows",
+                                         "eval_prompt_ids", "times_s")}
+        extra["config"] = OmegaConf.to_container(cfg, resolve=True)
+        path = save_heads(out_dir / "heads.safetensors", heads, info, extra=extra)
+        result["heads_path"] = str(path)
+        if cfg.output.install:
+            dest = Path(cfg.output.install_path or default_heads_path(info.name))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest)
+            shutil.copyfile(path.with_suffix(".json"), dest.with_suffix(".json"))
+            result["installed_path"] = str(dest)
+        (out_dir / "metrics.json").write_text(json.dumps(result, indent=2, default=str))
+        (out_dir / "report.md").write_text(
+            f"# Exit heads for {info.name}\n\n{table}\n\nTimes (s): "
+            f"{json.dumps({k: round(v, 1) for k, v in times.items()})}\n"
+        )
+        log.info("\n%s\ntimes %s", table, {k: round(v, 1) for k, v in times.items()})
+        print(table)
+        return result
+    finally:
+        lm.exit_heads = saved_heads
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
