@@ -60,6 +60,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafter: Any = None
     intermediate_verifier: Any = None
+    draft_length: Any = None
     target_verifier: Any = None
     acceptor: Any = None
     selector: Any = None

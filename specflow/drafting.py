@@ -9,8 +9,14 @@ from specflow.sampling import choose
 from specflow.state import DecodeState, Draft
 
 
-def draft_with_model(state: DecodeState, lm: LayeredLM, exit_layer: int, k: int) -> Draft:
-    """Propose ``k`` tokens from ``lm`` at ``exit_layer``, one forward pass each.
+def draft_with_model(
+    state: DecodeState, lm: LayeredLM, exit_layer: int, k: int, min_confidence: float = 0.0
+) -> Draft:
+    """Propose up to ``k`` tokens from ``lm`` at ``exit_layer``, one forward pass each.
+
+    Drafting stops early when the drafter's top probability (temperature 1) falls below
+    ``min_confidence`` (the token is still proposed: it is often right, and stopping after
+    it saves the next, likelier-wrong steps).
 
     The model's session first syncs to the committed tokens: it catches up on tokens
     committed since it last ran and drops its rejected drafts.  Greedy: argmax, q = None;
@@ -28,4 +34,6 @@ def draft_with_model(state: DecodeState, lm: LayeredLM, exit_layer: int, k: int)
         tokens += ids
         if probs is not None:
             q_rows.append(probs)
+        if min_confidence > 0.0 and float(logits.softmax(-1).max()) < min_confidence:
+            break
     return Draft(tokens, torch.cat(q_rows) if q_rows else None)

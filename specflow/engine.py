@@ -13,9 +13,12 @@ accepted tokens (N_i) before the outer target verifier runs.  Its time is report
 
 One round (``run_round``):
   1. k = min(drafter.k, tokens still to generate - 1)            (never draft past the end)
+     k = draft_length.choose(state, k)                  (optional policy; 0 = a plain round)
   2. draft = drafter.propose(state, k)                           time/draft_s
   3. logits = target_verifier.score(state, draft)  # [k+1, V]    time/verify_s
   4. verdict = acceptor.accept(state, draft, logits)             time/accept_s
+     if the drafter proposed (k > 0) and has ``observe``:
+     drafter.observe(state, draft, logits, verdict)  (a pool's bandit reward; in accept_s)
   5. commit draft[:accepted] + [next_token]; stats: rounds += 1, accepted += accepted.
 Every stage reads the committed tokens from ``state.tokens``; model sessions sync to them
 lazily (rollback of rejected drafts is implicit, see ``specflow.models.session``).
@@ -30,7 +33,13 @@ import torch
 
 from specflow.errors import ConfigError, PromptTooLongError
 from specflow.models.base import ModelInfo
-from specflow.protocols import Acceptor, Drafter, IntermediateVerifier, TargetVerifier
+from specflow.protocols import (
+    Acceptor,
+    Drafter,
+    DraftLengthPolicy,
+    IntermediateVerifier,
+    TargetVerifier,
+)
 from specflow.sampling import warp
 from specflow.state import DecodeState, Draft, RoundStats, SamplingParams, StageTimes
 
@@ -68,6 +77,7 @@ class SpeculativePipeline:
         level: name of this pipeline's verification level in per-level acceptance
             ("target" for the outermost pipeline; e.g. "draft" for a nested one).
         k: draft length when the pipeline is used as a drafter (``propose``).
+        draft_length: a policy choosing k each round (default: the drafter's k).
     """
 
     def __init__(
@@ -79,6 +89,7 @@ class SpeculativePipeline:
         name: str = "pipeline",
         level: str = "target",
         k: int = 4,
+        draft_length: DraftLengthPolicy | None = None,
     ) -> None:
         if k < 1:
             raise ConfigError(f"k (draft length) must be >= 1, got {k}; set e.g. drafter.k=4")
@@ -104,6 +115,7 @@ class SpeculativePipeline:
                 k=intermediate_verifier.accumulate,
             )
         self.drafter = drafter
+        self.draft_length = draft_length
         self.name = name
         self.level = level
         self.k = k
@@ -134,6 +146,8 @@ class SpeculativePipeline:
     def begin(self, state: DecodeState) -> None:
         """Start a request: every stage prefills / resets."""
         self.target_verifier.begin(state)
+        if self.draft_length is not None:
+            self.draft_length.begin(state)
         if self.drafter is not None:
             self.drafter.begin(state)
 
@@ -147,6 +161,9 @@ class SpeculativePipeline:
         k = 0
         if self.drafter is not None:
             k = min(self.drafter.k, budget - 1)
+            if self.draft_length is not None and k > 0:
+                k = self.draft_length.choose(state, k)
+        stats.chosen_k.append(k)
         t0 = time.perf_counter()
         draft = self.drafter.propose(state, k) if k > 0 else Draft([])
         t1 = time.perf_counter()
@@ -155,8 +172,13 @@ class SpeculativePipeline:
         t2 = time.perf_counter()
         times.verify_s += t2 - t1
         verdict = self.acceptor.accept(state, draft, logits)
+        observe = getattr(self.drafter, "observe", None) if k > 0 else None
+        if observe is not None:  # optional drafter hook, e.g. a bandit's reward (MetaSD)
+            observe(state, draft, logits, verdict)
         times.accept_s += time.perf_counter() - t2
         accepted = verdict.num_accepted
+        if self.draft_length is not None:
+            self.draft_length.observe(state, draft.k, accepted, t1 - t0, t2 - t1)
         stats.rounds += 1
         stats.target_calls += 1
         stats.drafted += draft.k

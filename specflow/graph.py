@@ -86,6 +86,7 @@ def build_pipeline(cfg: Any) -> SpeculativePipeline:
     drafter = instantiate_checked("drafter", cfg.get("drafter"))
     intermediate = instantiate_checked("intermediate_verifier", cfg.get("intermediate_verifier"))
     target = instantiate_checked("target_verifier", cfg.target_verifier)
+    draft_length = instantiate_checked("draft_length", cfg.get("draft_length"))
     acceptor = instantiate_checked("acceptor", cfg.acceptor)
     if target is None or acceptor is None:
         raise ConfigError(
@@ -97,4 +98,5 @@ def build_pipeline(cfg: Any) -> SpeculativePipeline:
         drafter=drafter,
         intermediate_verifier=intermediate,
         name=cfg.method,
+        draft_length=draft_length,
     )

@@ -90,3 +90,18 @@ class Selector(Protocol):
     def select(self) -> int: ...
 
     def update(self, arm: int, reward: float) -> None: ...
+
+
+@runtime_checkable
+class DraftLengthPolicy(Protocol):
+    """Chooses the draft length k of each round (0 = skip drafting: a plain round)."""
+
+    def begin(self, state: DecodeState) -> None: ...
+
+    def choose(self, state: DecodeState, k_max: int) -> int:
+        """A draft length in ``0..k_max``."""
+
+    def observe(
+        self, state: DecodeState, drafted: int, accepted: int, draft_s: float, verify_s: float
+    ) -> None:
+        """What the round did: tokens drafted and accepted, seconds drafting and verifying."""

@@ -189,6 +189,8 @@ def _generation_metrics(gens: list[Generation]) -> dict[str, Any]:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "levels": levels,
         "time_per_stage": times,
+        "k_per_round": [k for g in gens for k in g.stats.chosen_k],
+        "rounds_skipped": sum(1 for g in gens for k in g.stats.chosen_k if k == 0),
         "drafted_per_round": [k for g in gens for k in g.stats.drafted_per_round],
         "accepted_per_round": [a for g in gens for a in g.stats.accepted_per_round],
     }

@@ -123,8 +123,15 @@ class RoundStats:
     # Per named verification level (e.g. "intermediate", "target"): drafted and accepted.
     level_drafted: dict[str, int] = field(default_factory=dict)
     level_accepted: dict[str, int] = field(default_factory=dict)
+    chosen_k: list[int] = field(default_factory=list)  # k asked of the drafter, per round
     drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
+    # A drafter pool (MetaSD): per pool round, the chosen arm and its reward in [0, 1];
+    # and the catch-up of idle arms' model sessions (positions processed, seconds).
+    arms: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    catchup_tokens: int = 0
+    catchup_s: float = 0.0
 
     @property
     def tau(self) -> float:

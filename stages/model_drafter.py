@@ -27,13 +27,19 @@ class ModelDrafter:
         k: draft length.
         exit_layer: draft from this exit (1..N); an early exit of the target is
             self-speculative drafting.
+        min_confidence: stop drafting once the drafter's top probability drops below this.
     """
 
     name = "model"
 
-    def __init__(self, model: Any, k: int = 4, exit_layer: int | None = None) -> None:
+    def __init__(
+        self, model: Any, k: int = 4, exit_layer: int | None = None, min_confidence: float = 0.0
+    ) -> None:
         if k < 1:
             raise ConfigError(f"drafter.k must be >= 1, got {k}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ConfigError(f"drafter.min_confidence must be in [0, 1), got {min_confidence}")
+        self.min_confidence = min_confidence
         self.lm = as_layered_lm(model)
         depth = self.lm.info.num_layers
         self.exit_layer = depth if exit_layer is None else exit_layer
@@ -51,4 +57,4 @@ class ModelDrafter:
         prefill(state, self.lm, self.exit_layer)
 
     def propose(self, state: DecodeState, k: int) -> Draft:
-        return draft_with_model(state, self.lm, self.exit_layer, k)
+        return draft_with_model(state, self.lm, self.exit_layer, k, self.min_confidence)

@@ -1,0 +1,164 @@
+"""Draft-length policies (config group ``draft_length``): how many tokens to draft this round.
+
+- ``FixedDraftLength``: always the drafter's k (the default when no policy is set).
+- ``HeuristicDraftLength``: Hugging Face's rule: +2 after a fully accepted draft, -1 otherwise.
+- ``AdaptiveDraftLength``: a cost model measured online per request, maximizing expected
+  tokens per second, k = 0 (skip drafting: a plain decoding round) included.
+
+The adaptive model.  Draft tokens are accepted one after the other with probability alpha
+(a geometric model), so a round drafting k tokens commits on average
+
+    E[tokens | k] = (1 - alpha^(k+1)) / (1 - alpha)            (bonus included)
+
+and costs ``k * t_draft + t_verify(k + 1)`` seconds, with ``t_verify(n) = t1 * (1 + beta (n-1))``
+(one target pass over n tokens; beta is the marginal cost of an extra token, measured).
+It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..k_max``.  alpha is estimated from
+the positions tried (a position is tried when every earlier one was accepted), with a
+Beta(1, 1) prior and a discount so it follows drift within a request, and used
+optimistically (alpha + one standard error).  After ``probe_every`` plain rounds in a row
+it drafts one token to re-measure a skipped drafter (cost: ~1/probe_every of a token).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specflow.errors import ConfigError
+from specflow.state import DecodeState
+
+
+class FixedDraftLength:
+    """Always ``k_max`` (the drafter's k, capped near the end of generation)."""
+
+    def begin(self, state: DecodeState) -> None:
+        pass
+
+    def choose(self, state: DecodeState, k_max: int) -> int:
+        return k_max
+
+    def observe(
+        self, state: DecodeState, drafted: int, accepted: int, draft_s: float, verify_s: float
+    ) -> None:
+        pass
+
+
+class HeuristicDraftLength:
+    """HF's assisted-generation schedule: k += 2 after full acceptance, else k -= 1 (>= 1)."""
+
+    def __init__(self, initial: int = 4) -> None:
+        if initial < 1:
+            raise ConfigError(f"draft_length.initial must be >= 1, got {initial}")
+        self.initial = initial
+
+    def begin(self, state: DecodeState) -> None:
+        state.scratch[id(self)] = self.initial
+
+    def choose(self, state: DecodeState, k_max: int) -> int:
+        return min(int(state.scratch.get(id(self), self.initial)), k_max)
+
+    def observe(
+        self, state: DecodeState, drafted: int, accepted: int, draft_s: float, verify_s: float
+    ) -> None:
+        if drafted == 0:
+            return
+        k = int(state.scratch.get(id(self), self.initial))
+        state.scratch[id(self)] = k + 2 if accepted == drafted else max(1, k - 1)
+
+
+@dataclass
+class CostModel:
+    """Online estimates of one request (see module doc)."""
+
+    tried: float = 0.0  # discounted count of draft positions tried
+    accepted: float = 0.0  # discounted count of those accepted
+    t_draft: float | None = None  # seconds per drafted token (EMA)
+    t1: float | None = None  # seconds of a one-token target pass (EMA)
+    beta: float = 0.1  # marginal cost of an extra verified token, relative to t1
+    plain_streak: int = 0  # consecutive rounds without drafting
+
+    def alpha(self, optimism: float) -> float:
+        mean = (self.accepted + 1.0) / (self.tried + 2.0)
+        stderr = math.sqrt(mean * (1.0 - mean) / (self.tried + 2.0))
+        return min(0.999, mean + optimism * stderr)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Mean tokens a k-token round commits under the geometric model, bonus included."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class AdaptiveDraftLength:
+    """Choose k each round to maximize expected tokens per second (see module doc).
+
+    Args:
+        discount: weight kept by old observations per round (drift within a request).
+        optimism: standard errors added to alpha (re-probing a skipped drafter).
+        beta_prior: marginal verification cost per extra token before any measurement.
+        ema: smoothing of the measured times.
+        probe_every: after this many plain rounds in a row, draft one token to re-measure.
+    """
+
+    def __init__(
+        self,
+        discount: float = 0.95,
+        optimism: float = 1.0,
+        beta_prior: float = 0.1,
+        ema: float = 0.3,
+        probe_every: int = 16,
+    ) -> None:
+        if not 0.0 < discount <= 1.0:
+            raise ConfigError(f"draft_length.discount must be in (0, 1], got {discount}")
+        self.discount = discount
+        self.optimism = optimism
+        self.beta_prior = beta_prior
+        self.ema = ema
+        self.probe_every = probe_every
+
+    def begin(self, state: DecodeState) -> None:
+        state.scratch[id(self)] = CostModel(beta=self.beta_prior)
+
+    def _model(self, state: DecodeState) -> CostModel:
+        model = state.scratch.get(id(self))
+        if not isinstance(model, CostModel):
+            model = CostModel(beta=self.beta_prior)
+            state.scratch[id(self)] = model
+        return model
+
+    def choose(self, state: DecodeState, k_max: int) -> int:
+        m = self._model(state)
+        if m.t1 is None or m.t_draft is None:
+            return k_max  # measure a drafting round first (t1 comes from k = 0 or is derived)
+        if m.plain_streak >= self.probe_every:
+            return 1  # re-probe a skipped drafter: it may have become useful (drift)
+        alpha = m.alpha(self.optimism)
+        best_k, best_rate = 0, 1.0 / m.t1
+        for k in range(1, k_max + 1):
+            cost = k * m.t_draft + m.t1 * (1.0 + m.beta * k)
+            rate = expected_tokens(alpha, k) / cost
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def observe(
+        self, state: DecodeState, drafted: int, accepted: int, draft_s: float, verify_s: float
+    ) -> None:
+        m = self._model(state)
+        w = self.ema
+
+        def smooth(old: float | None, new: float) -> float:
+            return new if old is None else (1 - w) * old + w * new
+
+        if drafted == 0:  # a plain round measures t1
+            m.t1 = smooth(m.t1, verify_s)
+            m.plain_streak += 1
+            return
+        m.plain_streak = 0
+        m.tried = self.discount * m.tried + min(accepted + 1, drafted)
+        m.accepted = self.discount * m.accepted + accepted
+        m.t_draft = smooth(m.t_draft, draft_s / drafted)
+        if m.t1 is None:
+            m.t1 = verify_s / (1.0 + m.beta * drafted)  # until a plain round measures it
+        else:
+            beta = (verify_s / m.t1 - 1.0) / drafted
+            m.beta = max(0.0, smooth(m.beta, beta))

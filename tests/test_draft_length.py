@@ -1,0 +1,77 @@
+"""Draft-length policies: adaptive k converges to 0 for a useless drafter, to the cap for a
+perfect one; the heuristic follows HF's schedule; greedy identity holds throughout."""
+
+from __future__ import annotations
+
+import pytest
+
+from specflow.engine import SpeculativePipeline
+from specflow.state import DecodeState
+from stages.draft_length import AdaptiveDraftLength, HeuristicDraftLength, expected_tokens
+from stages.exact_acceptor import ExactAcceptor
+from stages.full_verifier import FullVerifier
+from tests.conftest import hf_greedy
+from tests.test_engine_greedy import OracleDrafter
+
+T1 = 0.010  # seconds of a one-token target pass in the synthetic cost model
+
+
+def simulate(policy, accept_all: bool, rounds: int = 200, k_max: int = 8,
+             t_draft: float = 0.001, beta: float = 0.1) -> list[int]:
+    """Feed a policy synthetic rounds; returns the k it chose each round."""
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    ks = []
+    for _ in range(rounds):
+        k = policy.choose(state, k_max)
+        ks.append(k)
+        accepted = k if accept_all else 0
+        policy.observe(state, k, accepted, k * t_draft, T1 * (1 + beta * k))
+    return ks
+
+
+def test_expected_tokens_geometric():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_adaptive_skips_a_useless_drafter():
+    ks = simulate(AdaptiveDraftLength(), accept_all=False)
+    tail = ks[50:]
+    assert sum(k == 0 for k in tail) >= 0.9 * len(tail)  # mostly plain rounds
+    assert max(tail) <= 1  # re-probes are single tokens
+    # cost relative to plain decoding over the tail: within 2 %
+    cost = sum(k * 0.001 + T1 * (1 + 0.1 * k) for k in tail)
+    assert cost <= 1.02 * T1 * len(tail)
+
+
+def test_adaptive_grows_to_the_cap_for_a_perfect_drafter():
+    ks = simulate(AdaptiveDraftLength(), accept_all=True)
+    assert ks[10:] == [8] * (len(ks) - 10)
+
+
+def test_heuristic_follows_hf_schedule():
+    assert simulate(HeuristicDraftLength(initial=4), accept_all=True, rounds=4) == [4, 6, 8, 8]
+    assert simulate(HeuristicDraftLength(initial=4), accept_all=False, rounds=5) == [4, 3, 2, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["never", "always", "sometimes"])
+def test_adaptive_pipeline_keeps_greedy_identity(tiny_target, mode):
+    hf, lm = tiny_target
+    prompt = [1, 5, 9, 17, 33, 5, 9]
+    truth = hf_greedy(hf, prompt, 60)
+    drafter = OracleDrafter(truth, len(prompt), lm.info.vocab_size, mode, k=6)
+    pipe = SpeculativePipeline(
+        FullVerifier(lm), ExactAcceptor(), drafter=drafter, draft_length=AdaptiveDraftLength()
+    )
+    gen = pipe.generate(prompt, 60)
+    assert gen.tokens == truth
+    assert len(gen.stats.chosen_k) == gen.stats.rounds
+    if mode == "always":  # every round drafts the most it may: min(k, tokens left - 1)
+        generated = 0
+        for chosen in gen.stats.chosen_k:
+            assert chosen == min(6, len(truth) - generated - 1)
+            generated += chosen + 1
+    if mode == "never":
+        assert gen.stats.chosen_k.count(0) > gen.stats.rounds // 2
