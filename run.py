@@ -1,5 +1,7 @@
 """specflow's entry point: ``python run.py +experiment=NAME [overrides]`` (``-m`` sweeps).
 
+``python run.py`` with no experiment runs ``+experiment=default`` (conf/experiment/default.yaml).
+
 Composes the Hydra config, builds the stage graph, runs it over the workload next to plain
 decoding, and writes ``requests.jsonl`` + ``summary.json`` into Hydra's run folder.
 Returns ``cfg.objective`` (default: the speedup) so Hydra sweepers can optimise it.  In a
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import traceback
 
 os.environ.setdefault("MKL_CBWR", "AUTO")  # before torch loads (see specflow/__init__.py)
@@ -24,6 +27,17 @@ from specflow.config import register_configs  # noqa: E402
 
 register_configs()
 log = logging.getLogger("specflow")
+
+
+def with_default_experiment(argv: list[str]) -> list[str]:
+    """Add ``+experiment=default`` unless the command line picks an experiment.
+
+    (Not in config.yaml's defaults list: there, ``+experiment=x`` fails with "Multiple
+    values for experiment" on hydra-core 1.3.)
+    """
+    picks = any(a.lstrip("+~").startswith("experiment=") for a in argv[1:])
+    helps = any(a in ("-h", "--help", "--hydra-help", "--info", "-i") for a in argv[1:])
+    return argv if picks or helps else [*argv, "+experiment=default"]
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -48,4 +62,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    sys.argv = with_default_experiment(sys.argv)
     main()

@@ -23,6 +23,7 @@ class ModelConfig:
     dtype: str = "float32"
     backend: str = "auto"  # auto | native | hf
     trust_remote_code: bool = False
+    exit_heads: str | None = None  # trained exit heads: a path, or "default" (train_heads/)
 
 
 @dataclass
@@ -43,6 +44,10 @@ class RunnerConfig:
     system_prompt: str | None = None
     threads: int | None = None  # torch threads (default: torch's choice)
     cache_dir: str | None = None  # default $SPECFLOW_CACHE or ~/.cache/specflow
+    batch_size: int = 1  # > 1: batched decoding over a paged KV cache (specflow.paged)
+    device: str = "cpu"  # cpu | cuda (batched path; cuda implies it)
+    attention: str = "auto"  # auto | sdpa | flash (batched path)
+    dtype: str | None = None  # batched path: float32 | bfloat16 | float16 (null: model.dtype)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.graph import build_pipeline, instantiate_checked
 from specflow.models.loading import LoadedModel
+from tests.conftest import make_pair
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["drafter", "intermediate_verifier", "target_verifier", "acceptor", "selector",
@@ -27,12 +28,19 @@ def _compose(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
+@pytest.fixture(scope="module")
+def deep_tiny():
+    """A tiny random model as deep as Qwen2.5-Coder-1.5B (28 layers), so configured exits fit."""
+    return make_pair("llama", seed=5, num_layers=28)
+
+
 @pytest.fixture
-def tiny_models(monkeypatch, tiny_target):
-    """Every model name resolves to the tiny target (no real weights needed)."""
-    hf, lm = tiny_target
+def tiny_models(monkeypatch, deep_tiny):
+    """Every model name resolves to the tiny model (no real weights, no exit heads needed)."""
+    hf, lm = deep_tiny
     loaded = LoadedModel(lm=lm, tokenizer=None, hf_model=hf, info=lm.info)
     monkeypatch.setattr("specflow.models.loading.load_model", lambda *a, **k: loaded)
+    monkeypatch.setattr("specflow.models.resolve.attach_exit_heads", lambda *a, **k: None)
     return loaded
 
 

@@ -1,0 +1,212 @@
+"""Benchmark specflow against Hugging Face ``generate`` on the same prompts, in one run.
+
+    python scripts/bench_vs_hf.py --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b \
+        --prompts 4 --max-new-tokens 48 --repeats 2
+
+Pairs measured side by side, interleaved per prompt (so machine drift hits all equally):
+  ours plain decoding            vs  HF generate(do_sample=False)
+  ours sps (draft model, k)      vs  HF generate(assistant_model=drafter)
+  ours pld (prompt lookup, k)    vs  HF generate(prompt_lookup_num_tokens=10)
+plus ours with the adaptive draft length.  Every run decodes greedily until EOS (the same
+EOS ids for everybody) or --max-new-tokens, so all methods produce the same tokens (checked
+and printed).  tokens/s of a method in one repeat = all its new tokens / all its seconds;
+the table shows the median over repeats and ratios of medians.  HF runs on a separately
+loaded, untouched copy of each model (``--shared-hf`` reuses specflow's, to save memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("MKL_CBWR", "AUTO")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from specflow.acceptance import StandardAcceptor  # noqa: E402
+from specflow.engine import SpeculativePipeline  # noqa: E402
+from specflow.models.loading import load_model  # noqa: E402
+from specflow.runner import RunSettings, build_prompt  # noqa: E402
+from specflow.workload import SpecBench  # noqa: E402
+from stages.draft_length import AdaptiveDraftLength  # noqa: E402
+from stages.exact_acceptor import ExactAcceptor  # noqa: E402
+from stages.full_verifier import FullVerifier  # noqa: E402
+from stages.model_drafter import ModelDrafter  # noqa: E402
+from stages.pld_drafter import PLDDrafter  # noqa: E402
+
+
+def hf_copy(name: str, shared: bool):
+    loaded = load_model(name)
+    if shared:
+        return loaded.hf_model
+    from transformers import AutoModelForCausalLM
+
+    from specflow.models.prepare import prepared_dir
+
+    path = prepared_dir(name) if (prepared_dir(name) / "config.json").exists() else name
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts (mixed categories)")
+    ap.add_argument("--categories", nargs="*", default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4, help="draft length of our sps")
+    ap.add_argument("--pld-k", type=int, default=8, help="draft length of our pld")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--shared-hf", action="store_true", help="HF reuses specflow's HF model objects"
+    )
+    ap.add_argument("--only", nargs="*", default=None, help="subset of method names to run")
+    ap.add_argument("--out", default=None, help="write the raw measurements as JSON here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target = load_model(args.target)
+    drafter = load_model(args.drafter) if args.drafter else None
+    hf_target = hf_copy(args.target, args.shared_hf)
+    hf_drafter = hf_copy(args.drafter, args.shared_hf) if drafter else None
+    tok = target.tokenizer
+    eos = tuple(target.info.eos_token_ids)
+
+    requests = SpecBench(categories=args.categories, limit=args.prompts).requests()
+    settings = RunSettings()
+    prompts = [
+        build_prompt(tok, [{"role": "user", "content": r.turns[0]}], settings) for r in requests
+    ]
+
+    verifier = FullVerifier(target.lm)
+    ours: dict[str, SpeculativePipeline] = {
+        "ours_ar": SpeculativePipeline(verifier, StandardAcceptor()),
+        "ours_pld": SpeculativePipeline(
+            verifier, ExactAcceptor(), drafter=PLDDrafter(k=args.pld_k)
+        ),
+        "ours_pld_adaptive": SpeculativePipeline(
+            verifier,
+            ExactAcceptor(),
+            drafter=PLDDrafter(k=args.pld_k),
+            draft_length=AdaptiveDraftLength(),
+        ),
+    }
+    if drafter:
+        ours["ours_sps"] = SpeculativePipeline(
+            verifier, ExactAcceptor(), drafter=ModelDrafter(drafter.lm, k=args.k)
+        )
+        ours["ours_sps_adaptive"] = SpeculativePipeline(
+            verifier,
+            ExactAcceptor(),
+            drafter=ModelDrafter(drafter.lm, k=args.k),
+            draft_length=AdaptiveDraftLength(),
+        )
+
+    def run_ours(pipe: SpeculativePipeline) -> Callable[[list[int]], tuple[list[int], float]]:
+        def go(prompt: list[int]) -> tuple[list[int], float]:
+            gen = pipe.generate(prompt, args.max_new_tokens, stop_token_ids=eos)
+            return gen.tokens, gen.total_s
+
+        return go
+
+    def run_hf(**kw) -> Callable[[list[int]], tuple[list[int], float]]:
+        def go(prompt: list[int]) -> tuple[list[int], float]:
+            ids = torch.tensor([prompt])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = hf_target.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=list(eos),
+                    pad_token_id=eos[0],
+                    **kw,
+                )
+            return out[0, len(prompt) :].tolist(), time.perf_counter() - t0
+
+        return go
+
+    methods: dict[str, Callable] = {name: run_ours(p) for name, p in ours.items()}
+    methods["hf_ar"] = run_hf()
+    methods["hf_pld"] = run_hf(prompt_lookup_num_tokens=10)
+    if hf_drafter is not None:
+        methods["hf_sps"] = run_hf(assistant_model=hf_drafter)
+    if args.only:
+        methods = {k: v for k, v in methods.items() if k in args.only or k == "ours_ar"}
+
+    # warm-up (untimed)
+    for fn in methods.values():
+        fn(prompts[0][:64])
+
+    per_repeat: dict[str, list[float]] = {m: [] for m in methods}
+    outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
+    for rep in range(args.repeats):
+        tokens = dict.fromkeys(methods, 0)
+        seconds = dict.fromkeys(methods, 0.0)
+        for i, prompt in enumerate(prompts):
+            order = list(methods) if (rep + i) % 2 == 0 else list(reversed(methods))
+            for name in order:
+                out, secs = methods[name](prompt)
+                tokens[name] += len(out)
+                seconds[name] += secs
+                if rep == 0:
+                    outputs[name].append(out)
+        for name in methods:
+            per_repeat[name].append(tokens[name] / seconds[name])
+        print(
+            f"repeat {rep + 1}/{args.repeats}: "
+            + ", ".join(f"{m} {per_repeat[m][-1]:.2f}" for m in methods),
+            flush=True,
+        )
+
+    med = {m: statistics.median(v) for m, v in per_repeat.items()}
+    ref = outputs["ours_ar"]
+    print()
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"target {args.target}, drafter {args.drafter}; {len(prompts)} Spec-Bench prompts "
+        f"({', '.join(r.category for r in requests)}), max_new_tokens {args.max_new_tokens}, "
+        f"greedy, median of {args.repeats} repeats"
+    )
+    print(f"{'method':<20}{'tokens/s':>10}{'vs ours_ar':>12}{'vs hf_ar':>10}{'same tokens':>13}")
+    for m in methods:
+        same = sum(a == b for a, b in zip(outputs[m], ref, strict=True))
+        print(
+            f"{m:<20}{med[m]:>10.2f}{med[m] / med['ours_ar']:>12.2f}"
+            f"{med[m] / med['hf_ar'] if 'hf_ar' in med else float('nan'):>10.2f}"
+            f"{same:>9}/{len(ref)}"
+        )
+    pairs = [
+        ("ours_ar", "hf_ar"),
+        ("ours_sps", "hf_sps"),
+        ("ours_pld", "hf_pld"),
+        ("ours_sps_adaptive", "hf_sps"),
+        ("ours_pld_adaptive", "hf_pld"),
+    ]
+    print()
+    for a, b in pairs:
+        if a in med and b in med:
+            print(f"{a} / {b} = {med[a] / med[b]:.2f}x")
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"args": vars(args), "per_repeat": per_repeat, "median": med}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()
