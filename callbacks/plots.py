@@ -6,7 +6,8 @@
 - ``time_per_stage.png``: milliseconds per generated token, stacked by stage
   (``time/<stage>_s``), per category and overall, next to plain decoding's ms/token.
 - ``arm_choices.png``: only when records carry ``metrics.arms`` (the arm a bandit selector
-  chose, per round): the arm over rounds, and each arm's cumulative share.
+  chose, per round): per category, each request's arm over its rounds, and each arm's
+  share of the category's requests at every round index.
 
 Each ``plot_*`` function is usable alone (``specflow.compare`` and the wandb logger use
 them); ``make_plots`` draws every figure that has data and returns the written paths.
@@ -107,26 +108,43 @@ def plot_time_per_stage(summary: dict[str, Any], path: Path) -> Path | None:
 
 
 def plot_arm_choices(records: list[dict[str, Any]], path: Path) -> Path | None:
-    """The bandit's chosen arm per round; ``None`` when no record carries ``metrics.arms``."""
-    arms = [a for r in records for a in (r.get("metrics", {}).get("arms") or [])]
-    if not arms:
+    """The bandit's chosen arm over the rounds of a request, one column per category.
+
+    Top: each request's arm per round (a step line, slightly offset per request).  Bottom:
+    at each round index, the share of the category's requests that chose each arm.
+    ``None`` when no record carries ``metrics.arms``.
+    """
+    by_cat: dict[str, list[list[int]]] = {}
+    for r in records:
+        arms = r.get("metrics", {}).get("arms") or []
+        if arms:
+            by_cat.setdefault(str(r.get("category")), []).append(list(arms))
+    if not by_cat:
         return None
+    every = sorted({a for reqs in by_cat.values() for arms in reqs for a in arms})
     plt = pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 4.5), sharex=True)
-    rounds = list(range(len(arms)))
-    top.scatter(rounds, arms, s=4)
-    top.set_ylabel("arm")
-    top.set_yticks(sorted(set(arms)))
-    top.set_title("arm chosen over rounds")
-    for arm in sorted(set(arms)):
-        count, share = 0, []
-        for i, a in enumerate(arms, start=1):
-            count += a == arm
-            share.append(count / i)
-        bottom.plot(rounds, share, label=f"arm {arm}")
-    bottom.set_xlabel("round (all requests, in order)")
-    bottom.set_ylabel("cumulative share")
-    bottom.legend(fontsize=7)
+    cols = len(by_cat)
+    fig, axes = plt.subplots(2, cols, figsize=(max(4.0, 3.2 * cols), 4.8), squeeze=False,
+                             sharey="row")
+    for col, (cat, reqs) in enumerate(sorted(by_cat.items())):
+        top, bottom = axes[0][col], axes[1][col]
+        for i, arms in enumerate(reqs):
+            offset = 0.25 * (i / max(1, len(reqs) - 1) - 0.5) if len(reqs) > 1 else 0.0
+            top.step(range(len(arms)), [a + offset for a in arms], where="post", linewidth=0.8)
+        top.set_title(f"{cat} ({len(reqs)} req.)", fontsize=9)
+        top.set_yticks(every)
+        length = max(len(a) for a in reqs)
+        for arm in every:
+            share = []
+            for j in range(length):
+                at_j = [a[j] for a in reqs if j < len(a)]
+                share.append(sum(x == arm for x in at_j) / len(at_j))
+            bottom.plot(range(length), share, label=f"arm {arm}")
+        bottom.set_xlabel("round within the request")
+        bottom.set_ylim(-0.05, 1.05)
+    axes[0][0].set_ylabel("arm chosen")
+    axes[1][0].set_ylabel("share of requests")
+    axes[1][-1].legend(fontsize=7)
     return _save(fig, path)
 
 

@@ -193,6 +193,22 @@ def _generation_metrics(gens: list[Generation]) -> dict[str, Any]:
         "rounds_skipped": sum(1 for g in gens for k in g.stats.chosen_k if k == 0),
         "drafted_per_round": [k for g in gens for k in g.stats.drafted_per_round],
         "accepted_per_round": [a for g in gens for a in g.stats.accepted_per_round],
+        **_pool_metrics(gens),
+    }
+
+
+def _pool_metrics(gens: list[Generation]) -> dict[str, Any]:
+    """A drafter pool's (MetaSD) per-round arms and rewards, arm counts and catch-up cost."""
+    stats = [s for g in gens for s in (g.stats, *g.nested_stats.values())]
+    arms = [a for s in stats for a in s.arms]
+    if not arms:
+        return {}
+    return {
+        "arms": arms,
+        "arm_rewards": [r for s in stats for r in s.rewards],
+        "arm_counts": [arms.count(i) for i in range(max(arms) + 1)],
+        "catchup_tokens": sum(s.catchup_tokens for s in stats),
+        "catchup_s": sum(s.catchup_s for s in stats),
     }
 
 

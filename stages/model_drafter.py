@@ -26,14 +26,19 @@ class ModelDrafter:
         model: the draft model (config mapping, name/path, or a loaded model).
         k: draft length.
         exit_layer: draft from this exit (1..N); an early exit of the target is
-            self-speculative drafting.
+            self-speculative drafting.  A float in (0, 1) is a fraction of the depth,
+            ``round(exit_layer * N)`` (at least 1): one config fits targets of any depth.
         min_confidence: stop drafting once the drafter's top probability drops below this.
     """
 
     name = "model"
 
     def __init__(
-        self, model: Any, k: int = 4, exit_layer: int | None = None, min_confidence: float = 0.0
+        self,
+        model: Any,
+        k: int = 4,
+        exit_layer: int | float | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         if k < 1:
             raise ConfigError(f"drafter.k must be >= 1, got {k}")
@@ -42,6 +47,8 @@ class ModelDrafter:
         self.min_confidence = min_confidence
         self.lm = as_layered_lm(model)
         depth = self.lm.info.num_layers
+        if isinstance(exit_layer, float) and 0.0 < exit_layer < 1.0:
+            exit_layer = max(1, round(exit_layer * depth))
         self.exit_layer = depth if exit_layer is None else exit_layer
         if not 1 <= self.exit_layer <= depth:
             raise ConfigError(

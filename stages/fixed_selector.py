@@ -1,0 +1,26 @@
+"""Selector ``fixed``: always arm ``arm`` of the pool (a baseline: one drafter alone)."""
+
+from __future__ import annotations
+
+from specflow.errors import ConfigError
+
+
+class FixedSelector:
+    """Always choose ``arm`` (0-based, in the pool's order)."""
+
+    def __init__(self, arm: int = 0) -> None:
+        if arm < 0:
+            raise ConfigError(f"selector.arm must be >= 0, got {arm}")
+        self.arm = arm
+
+    def begin(self, num_arms: int) -> None:
+        if self.arm >= num_arms:
+            raise ConfigError(
+                f"selector.arm={self.arm} but the pool has {num_arms} arms (0..{num_arms - 1})"
+            )
+
+    def select(self) -> int:
+        return self.arm
+
+    def update(self, arm: int, reward: float) -> None:
+        pass

@@ -1,0 +1,118 @@
+"""Selectors ``ucb`` and ``discounted_ucb``: bandits over a drafter pool (MetaSD).
+
+Each round the pool asks ``select()`` for an arm (a drafter), and after verification
+reports ``update(arm, reward)`` with a reward in [0, 1] (see ``stages.pool_drafter``).
+``begin(num_arms)`` starts a request: all statistics are reset (MetaSD resets per request).
+
+**UCB1** (Auer, Cesa-Bianchi & Fischer 2002).  Every arm is tried once (in order), then
+round t picks
+
+    argmax_i  mean_i + c * sqrt(2 ln t / n_i)
+
+with ``n_i`` the pulls of arm i, ``mean_i`` its mean reward and ``t = sum_i n_i``.  With
+c = 1 the expected pulls of an arm with gap Delta_i are <= 8 ln T / Delta_i^2 + 1 + pi^2/3,
+so the regret grows as O(log T).
+
+**Discounted UCB** (Garivier & Moulines 2011), for rewards that drift within a request:
+every past observation is weighted by ``gamma^(age)``:
+
+    N_i = sum_s gamma^(t-s) [I_s = i],   mean_i = sum_s gamma^(t-s) X_s [I_s = i] / N_i,
+    index_i = mean_i + c * sqrt(2 ln (sum_j N_j) / N_i)
+
+so an arm not pulled for a while regains a large bonus and is re-explored.  gamma = 1 is
+UCB1.  Ties go to the lowest arm index.
+"""
+
+from __future__ import annotations
+
+import math
+
+from specflow.errors import ConfigError
+
+
+def ucb_index(sums: list[float], counts: list[float], c: float) -> list[float]:
+    """``mean_i + c * sqrt(2 ln t / n_i)`` with ``t = sum_i n_i`` (``inf`` where n_i = 0)."""
+    total = sum(counts)
+    log_t = math.log(total) if total > 1 else 0.0
+    return [
+        s / n + c * math.sqrt(2.0 * log_t / n) if n > 0 else math.inf
+        for s, n in zip(sums, counts, strict=True)
+    ]
+
+
+def argmax(values: list[float]) -> int:
+    """Index of the largest value; ties go to the lowest index."""
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def _check_arms(num_arms: int) -> None:
+    if num_arms < 1:
+        raise ConfigError(f"a bandit needs at least one arm, got {num_arms}")
+
+
+class UCBSelector:
+    """UCB1 (see module doc).
+
+    Args:
+        c: exploration scale (1.0 = UCB1; 0 = greedy after one pull of each arm).
+
+    Attributes:
+        counts: pulls per arm in this request (n_i).
+        sums: summed rewards per arm in this request.
+    """
+
+    def __init__(self, c: float = 1.0) -> None:
+        if c < 0:
+            raise ConfigError(f"selector.c must be >= 0, got {c}")
+        self.c = c
+        self.counts: list[float] = []
+        self.sums: list[float] = []
+
+    def begin(self, num_arms: int) -> None:
+        _check_arms(num_arms)
+        self.counts = [0.0] * num_arms
+        self.sums = [0.0] * num_arms
+
+    def select(self) -> int:
+        return argmax(ucb_index(self.sums, self.counts, self.c))  # untried arms first (inf)
+
+    def update(self, arm: int, reward: float) -> None:
+        self.counts[arm] += 1.0
+        self.sums[arm] += reward
+
+
+class DiscountedUCBSelector:
+    """Discounted UCB (see module doc).
+
+    Args:
+        gamma: discount per round in (0, 1]; about 1 - 1/(rounds remembered) (0.95: ~20).
+        c: exploration scale.
+
+    Attributes:
+        counts: discounted pulls per arm (N_i).
+        sums: discounted summed rewards per arm.
+    """
+
+    def __init__(self, gamma: float = 0.95, c: float = 1.0) -> None:
+        if not 0.0 < gamma <= 1.0:
+            raise ConfigError(f"selector.gamma must be in (0, 1], got {gamma}")
+        if c < 0:
+            raise ConfigError(f"selector.c must be >= 0, got {c}")
+        self.gamma = gamma
+        self.c = c
+        self.counts: list[float] = []
+        self.sums: list[float] = []
+
+    def begin(self, num_arms: int) -> None:
+        _check_arms(num_arms)
+        self.counts = [0.0] * num_arms
+        self.sums = [0.0] * num_arms
+
+    def select(self) -> int:
+        return argmax(ucb_index(self.sums, self.counts, self.c))
+
+    def update(self, arm: int, reward: float) -> None:
+        self.counts = [n * self.gamma for n in self.counts]
+        self.sums = [s * self.gamma for s in self.sums]
+        self.counts[arm] += 1.0
+        self.sums[arm] += reward

@@ -1,0 +1,291 @@
+"""MetaSD: bandit selectors, the block-divergence reward, and lossless drafter pools."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
+from specflow.oracle import load_runs, oracle_report
+from specflow.runner import _generation_metrics
+from specflow.state import Acceptance, DecodeState, Draft
+from stages.exact_acceptor import ExactAcceptor
+from stages.fixed_selector import FixedSelector
+from stages.full_verifier import FullVerifier
+from stages.model_drafter import ModelDrafter
+from stages.pld_drafter import PLDDrafter
+from stages.pool_drafter import PoolDrafter, block_divergence
+from stages.round_robin_selector import RoundRobinSelector
+from stages.ucb_selector import DiscountedUCBSelector, UCBSelector
+from tests.conftest import hf_greedy, make_pair
+
+PROMPTS = [[1, 5, 9, 17, 33, 5, 9, 17], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]]
+MAX_NEW = 24
+
+
+# ---------------------------------------------------------------- synthetic bandits
+def run_bandit(selector, means: list[float], horizon: int, seed: int = 0) -> list[int]:
+    """Pull Bernoulli arms for ``horizon`` rounds; the arms chosen."""
+    rng = random.Random(seed)
+    selector.begin(len(means))
+    chosen = []
+    for _ in range(horizon):
+        arm = selector.select()
+        selector.update(arm, float(rng.random() < means[arm]))
+        chosen.append(arm)
+    return chosen
+
+
+def pseudo_regret(chosen: list[int], means: list[float]) -> float:
+    best = max(means)
+    return sum(best - means[a] for a in chosen)
+
+
+def test_ucb_regret_grows_logarithmically():
+    means = [0.2, 0.5, 0.8]
+    short = run_bandit(UCBSelector(), means, 1000)
+    long = run_bandit(UCBSelector(), means, 10000)
+    r_short, r_long = pseudo_regret(short, means), pseudo_regret(long, means)
+    assert 0 < r_long < 3 * r_short  # linear regret would be 10x
+    assert long.count(2) / len(long) > 0.9
+    # Auer et al. (2002): E[pulls of arm i] <= 8 ln T / gap^2 + 1 + pi^2 / 3.
+    for arm in (0, 1):
+        gap = means[2] - means[arm]
+        for chosen in (short, long):
+            bound = 8 * math.log(len(chosen)) / gap**2 + 1 + math.pi**2 / 3
+            assert chosen.count(arm) <= bound
+
+
+def test_ucb_tries_every_arm_first():
+    sel = UCBSelector()
+    sel.begin(4)
+    picks = []
+    for _ in range(4):
+        picks.append(sel.select())
+        sel.update(picks[-1], 0.0)
+    assert picks == [0, 1, 2, 3]
+
+
+def switching_bandit(selector, seed: int = 1) -> float:
+    """Bernoulli arms (0.9, 0.4) for 2000 rounds, then (0.4, 0.7) for 2000 (the best arm
+    switches): the share of the last 2000 rounds that chose the new best arm."""
+    rng = random.Random(seed)
+    selector.begin(2)
+    late = []
+    for t in range(4000):
+        means = [0.9, 0.4] if t < 2000 else [0.4, 0.7]
+        arm = selector.select()
+        selector.update(arm, float(rng.random() < means[arm]))
+        if t >= 2000:
+            late.append(arm)
+    return late.count(1) / len(late)
+
+
+def test_discounted_ucb_tracks_a_switch_of_the_best_arm():
+    tracked = switching_bandit(DiscountedUCBSelector(gamma=0.99))
+    stuck = switching_bandit(UCBSelector())  # UCB1 averages in 2000 stale rewards
+    assert tracked > 0.7
+    assert tracked > stuck + 0.15
+
+
+def test_fixed_and_round_robin():
+    fixed = FixedSelector(2)
+    fixed.begin(3)
+    assert [fixed.select() for _ in range(3)] == [2, 2, 2]
+    with pytest.raises(ConfigError, match="selector.arm=2 but the pool has 2 arms"):
+        fixed.begin(2)
+    rr = RoundRobinSelector()
+    rr.begin(3)
+    assert [rr.select() for _ in range(5)] == [0, 1, 2, 0, 1]
+    rr.begin(3)
+    assert rr.select() == 0
+
+
+def test_selectors_reset_per_request():
+    for sel in (UCBSelector(), DiscountedUCBSelector()):
+        run_bandit(sel, [0.1, 0.9], 50)
+        assert sum(sel.counts) > 0
+        sel.begin(2)
+        assert sel.counts == [0.0, 0.0] and sel.sums == [0.0, 0.0]
+        assert sel.select() == 0
+
+
+# ---------------------------------------------------------------- rewards
+P = torch.tensor(
+    [[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]]
+)  # the target's distributions at 3 draft positions, V = 4
+TOKENS = [0, 2, 1]
+
+
+def test_block_divergence_hand_computed():
+    # One-hot q: TV_j = 1 - p_j(x_j) = 0.3, 0.75, 0.8 -> BD = 1 - 1.85/3 = 1.15/3.
+    assert block_divergence(TOKENS, None, P) == pytest.approx(1.15 / 3)
+    # TV = 1/2 (0.2 + 0.4 + 0.1 + 0.1) = 0.4;  0;  1/2 (0.3 + 0.1 + 0.1 + 0.3) = 0.4.
+    q = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25] * 4, [0.4, 0.3, 0.2, 0.1]])
+    assert block_divergence(TOKENS, q, P) == pytest.approx(1 - 0.8 / 3)
+    assert block_divergence([], None, P) == 0.0
+
+
+class StubDrafter:
+    """Proposes ``TOKENS`` (q one-hot)."""
+
+    name = "stub"
+    k = 3
+
+    def begin(self, state: DecodeState) -> None:
+        pass
+
+    def models(self) -> list:
+        return []
+
+    def propose(self, state: DecodeState, k: int) -> Draft:
+        return Draft(TOKENS[:k])
+
+
+@pytest.mark.parametrize(("reward", "expected"), [("bd", 1.15 / 3), ("be", 1 / 3)])
+def test_pool_reward_from_target_logits(reward, expected):
+    """Greedy: p = softmax(target logits) (temperature 1); logits = log P give back P."""
+    sel = UCBSelector()
+    pool = PoolDrafter({"a": StubDrafter(), "b": StubDrafter()}, sel, reward=reward)
+    state = DecodeState(tokens=[1, 2], prompt_len=2, max_len=16)
+    pool.begin(state)
+    draft = pool.propose(state, 3)
+    logits = torch.cat([P.log(), torch.zeros(1, 4)])  # [k+1, V]
+    pool.observe(state, draft, logits, Acceptance(1, 3))
+    assert state.stats.arms == [0]
+    assert state.stats.rewards[0] == pytest.approx(expected)
+    assert sel.sums[0] == pytest.approx(expected) and sel.counts == [1.0, 0.0]
+    pool.begin(DecodeState(tokens=[1, 2], prompt_len=2, max_len=16))
+    assert sel.counts == [0.0, 0.0]  # reset per request
+
+
+def test_pool_refuses_bad_config():
+    with pytest.raises(ConfigError, match="reward must be one of"):
+        PoolDrafter([StubDrafter()], UCBSelector(), reward="tokens")
+    with pytest.raises(ConfigError, match="is empty"):
+        PoolDrafter({}, UCBSelector())
+    with pytest.raises(ConfigError, match="not a drafter"):
+        PoolDrafter({"x": object()}, UCBSelector())
+
+
+# ---------------------------------------------------------------- lossless pools
+@pytest.fixture(scope="module")
+def deep_target():
+    """A 6-layer target: early exits at 2 and 4 are arms."""
+    return make_pair("llama", seed=3, num_layers=6)
+
+
+def make_arms(target_lm, draft_lm) -> dict:
+    nested = SpeculativePipeline(
+        FullVerifier(draft_lm), ExactAcceptor(), drafter=PLDDrafter(k=3), level="draft", k=5
+    )
+    return {
+        "pld": PLDDrafter(k=5),
+        "draft_model": ModelDrafter(draft_lm, k=3),
+        "exit2": ModelDrafter(target_lm, k=4, exit_layer=2),
+        "exit4": ModelDrafter(target_lm, k=4, exit_layer=4),
+        "pld_model": nested,
+    }
+
+
+def pool_pipeline(target_lm, drafter) -> SpeculativePipeline:
+    return SpeculativePipeline(FullVerifier(target_lm), ExactAcceptor(), drafter=drafter)
+
+
+SELECTORS = {
+    "ucb_bd": (lambda: UCBSelector(), "bd"),
+    "ucb_be": (lambda: UCBSelector(), "be"),
+    "discounted_ucb": (lambda: DiscountedUCBSelector(gamma=0.9), "bd"),
+    "round_robin": (lambda: RoundRobinSelector(), "bd"),
+}
+
+
+@pytest.mark.parametrize("selector", sorted(SELECTORS))
+def test_pool_is_lossless_whatever_the_arm(deep_target, tiny_drafter, selector):
+    hf, lm = deep_target
+    _, draft_lm = tiny_drafter
+    make_selector, reward = SELECTORS[selector]
+    pool = PoolDrafter(make_arms(lm, draft_lm), make_selector(), reward=reward)
+    pipe = pool_pipeline(lm, pool)
+    for prompt in PROMPTS:
+        gen = pipe.generate(prompt, MAX_NEW)
+        assert gen.tokens == hf_greedy(hf, prompt, MAX_NEW)
+        s = gen.stats
+        pool_rounds = sum(1 for k in s.chosen_k if k > 0)
+        assert len(s.arms) == len(s.rewards) == pool_rounds > 0
+        assert all(0.0 <= r <= 1.0 for r in s.rewards)
+        if selector == "round_robin":
+            assert s.arms == [i % 5 for i in range(pool_rounds)]
+            assert s.catchup_tokens > 0  # idle arms catch up when their turn comes
+
+
+def test_pool_when_sampling(deep_target, tiny_drafter):
+    """Sampling: BD uses the drafters' q (one-hot for PLD) and the target's warped p."""
+    from specflow.state import SamplingParams
+    from stages.rejection_acceptor import RejectionAcceptor
+
+    _, lm = deep_target
+    _, draft_lm = tiny_drafter
+    pool = PoolDrafter(make_arms(lm, draft_lm), RoundRobinSelector())
+    pipe = SpeculativePipeline(FullVerifier(lm), RejectionAcceptor(), drafter=pool)
+    gen = pipe.generate(PROMPTS[1], 16, SamplingParams(temperature=0.8), seed=3)
+    assert len(gen.tokens) == 16 or gen.stop_reason == "eos"
+    assert gen.stats.rewards and all(0.0 <= r <= 1.0 for r in gen.stats.rewards)
+
+
+@pytest.mark.parametrize("arm", range(5))
+def test_fixed_arm_equals_that_drafter_alone(deep_target, tiny_drafter, arm):
+    _, lm = deep_target
+    _, draft_lm = tiny_drafter
+    arms = make_arms(lm, draft_lm)
+    alone = pool_pipeline(lm, list(arms.values())[arm])
+    pooled = pool_pipeline(lm, PoolDrafter(arms, FixedSelector(arm)))
+    for prompt in PROMPTS:
+        a, b = alone.generate(prompt, MAX_NEW), pooled.generate(prompt, MAX_NEW)
+        assert b.tokens == a.tokens
+        assert b.stats.accepted_per_round == a.stats.accepted_per_round
+        assert b.stats.drafted_per_round == a.stats.drafted_per_round
+        assert set(b.stats.arms) == {arm} and b.stats.catchup_tokens == 0  # never idle
+
+
+def test_pool_metrics_for_the_runner(deep_target, tiny_drafter):
+    _, lm = deep_target
+    _, draft_lm = tiny_drafter
+    pipe = pool_pipeline(lm, PoolDrafter(make_arms(lm, draft_lm), RoundRobinSelector()))
+    gens = [pipe.generate(p, MAX_NEW) for p in PROMPTS]
+    m = _generation_metrics(gens)
+    assert m["arms"] == gens[0].stats.arms + gens[1].stats.arms
+    assert len(m["arm_rewards"]) == len(m["arms"])
+    assert sum(m["arm_counts"]) == len(m["arms"]) and len(m["arm_counts"]) == 5
+    assert m["catchup_tokens"] > 0 and m["catchup_s"] >= 0
+    assert "arms" not in _generation_metrics([pool_pipeline(lm, None).generate([1, 2], 4)])
+
+
+# ---------------------------------------------------------------- oracle
+def record(rid: str, tokens: int, seconds: float) -> dict:
+    return {
+        "request_id": rid,
+        "metrics": {"new_tokens": tokens, "total_s": seconds, "tokens_per_s": tokens / seconds},
+    }
+
+
+def test_oracle_picks_the_best_drafter_per_request(tmp_path):
+    runs = {
+        "pld": {"a": record("a", 100, 1.0), "b": record("b", 100, 4.0)},
+        "sps": {"a": record("a", 100, 2.0), "b": record("b", 100, 2.0)},
+    }
+    metasd = {"a": record("a", 100, 1.5), "b": record("b", 100, 2.5)}
+    rep = oracle_report(runs, metasd)
+    assert rep["oracle_choice"] == {"a": "pld", "b": "sps"}
+    assert rep["oracle_tokens_per_s"] == pytest.approx(200 / 3.0)
+    assert rep["best_single_run"] == "sps"  # 200/4 > 200/5
+    assert rep["metasd_vs_oracle"] == pytest.approx((200 / 4.0) / (200 / 3.0))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in runs["pld"].values()))
+    assert set(load_runs([folder])[str(folder)]) == {"a", "b"}
