@@ -69,7 +69,22 @@ def _run(cfg: DictConfig, out: Path) -> dict[str, Any]:
         cache_dir=r.cache_dir,
     )
     sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p)
-    runner = Runner(pipeline, target.tokenizer, settings, sampling, callbacks)
+    if r.batch_size > 1 or r.device != "cpu":
+        from specflow.paged.batch_runner import BatchRunner
+
+        runner = BatchRunner(
+            pipeline,
+            target.tokenizer,
+            settings,
+            sampling,
+            callbacks,
+            batch_size=r.batch_size,
+            device=r.device,
+            attention=r.attention,
+            dtype=r.dtype,
+        )
+    else:
+        runner = Runner(pipeline, target.tokenizer, settings, sampling, callbacks)
     folder = RunFolder(out, resume=cfg.resume)
     meta = {
         "method": cfg.method,

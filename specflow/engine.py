@@ -27,6 +27,7 @@ lazily (rollback of rejected drafts is implicit, see ``specflow.models.session``
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,7 @@ class SpeculativePipeline:
             ("target" for the outermost pipeline; e.g. "draft" for a nested one).
         k: draft length when the pipeline is used as a drafter (``propose``).
         draft_length: a policy choosing k each round (default: the drafter's k).
+        clock: seconds counter for the stage times (tests pass a deterministic one).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class SpeculativePipeline:
         level: str = "target",
         k: int = 4,
         draft_length: DraftLengthPolicy | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if k < 1:
             raise ConfigError(f"k (draft length) must be >= 1, got {k}; set e.g. drafter.k=4")
@@ -116,6 +119,7 @@ class SpeculativePipeline:
             )
         self.drafter = drafter
         self.draft_length = draft_length
+        self.clock = clock
         self.name = name
         self.level = level
         self.k = k
@@ -164,18 +168,18 @@ class SpeculativePipeline:
             if self.draft_length is not None and k > 0:
                 k = self.draft_length.choose(state, k)
         stats.chosen_k.append(k)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         draft = self.drafter.propose(state, k) if k > 0 else Draft([])
-        t1 = time.perf_counter()
+        t1 = self.clock()
         times.draft_s += t1 - t0
         logits = self.target_verifier.score(state, draft)  # [k+1, V]
-        t2 = time.perf_counter()
+        t2 = self.clock()
         times.verify_s += t2 - t1
         verdict = self.acceptor.accept(state, draft, logits)
         observe = getattr(self.drafter, "observe", None) if k > 0 else None
         if observe is not None:  # optional drafter hook, e.g. a bandit's reward (MetaSD)
             observe(state, draft, logits, verdict)
-        times.accept_s += time.perf_counter() - t2
+        times.accept_s += self.clock() - t2
         accepted = verdict.num_accepted
         if self.draft_length is not None:
             self.draft_length.observe(state, draft.k, accepted, t1 - t0, t2 - t1)
@@ -223,9 +227,9 @@ class SpeculativePipeline:
             sampling=sampling,
             generator=generator,
         )
-        start = time.perf_counter()
+        start = self.clock()
         self.begin(state)
-        state.times.prefill_s = time.perf_counter() - start
+        state.times.prefill_s = self.clock() - start
         stop_reason = "length"
         while state.num_generated < max_new_tokens:
             before = len(state.tokens)
@@ -235,7 +239,7 @@ class SpeculativePipeline:
                 del state.tokens[before + hit + 1 :]
                 stop_reason = "eos"
                 break
-        total = time.perf_counter() - start
+        total = self.clock() - start
         return Generation(
             tokens=state.tokens[state.prompt_len :],
             stats=state.stats,

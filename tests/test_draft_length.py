@@ -62,8 +62,10 @@ def test_adaptive_pipeline_keeps_greedy_identity(tiny_target, mode):
     prompt = [1, 5, 9, 17, 33, 5, 9]
     truth = hf_greedy(hf, prompt, 60)
     drafter = OracleDrafter(truth, len(prompt), lm.info.vocab_size, mode, k=6)
+    ticks = iter(range(10**6))  # a deterministic clock: every reading is 1 ms later
     pipe = SpeculativePipeline(
-        FullVerifier(lm), ExactAcceptor(), drafter=drafter, draft_length=AdaptiveDraftLength()
+        FullVerifier(lm), ExactAcceptor(), drafter=drafter, draft_length=AdaptiveDraftLength(),
+        clock=lambda: next(ticks) * 1e-3,
     )
     gen = pipe.generate(prompt, 60)
     assert gen.tokens == truth

@@ -1,0 +1,248 @@
+"""A paged KV cache: fixed-size blocks from a free list, one block table per sequence.
+
+Layout (one ``PagedKVCache`` per model; every model of a pipeline has its own pool, all with
+the same block size)::
+
+    k, v: [num_layers, num_blocks, block_size, kv_heads, head_dim]
+
+``[num_blocks, block_size, kv_heads, head_dim]`` per layer is exactly the ``k_cache`` layout
+of ``flash_attn_with_kvcache(..., block_table=...)``, so the flash backend reads the pool
+without a copy; the SDPA backend gathers through the block table.
+
+A sequence owns a list of blocks shared by all layers (position ``p`` lives in block
+``blocks[p // block_size]`` at offset ``p % block_size``, in every layer) and one length per
+layer, so the layered bookkeeping of ``specflow.models.session`` works per sequence:
+``PagedLayerKV`` is the ``LayerKV`` of one (sequence, layer).
+
+Invariants:
+    * a block is either free or owned by exactly one sequence (``check_no_leaks``);
+    * a sequence owns exactly ``ceil(max_layer_length / block_size)`` blocks after any
+      ``truncate`` (rollback frees whole blocks beyond the longest layer) and at least that
+      many after ``reserve``;
+    * admission control: a sequence is added with its worst-case length and that many blocks
+      are *promised* to it (``BlockAllocator.promise``), so a running sequence never finds
+      the pool empty.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specflow.errors import SpecflowError
+
+
+class CacheFullError(SpecflowError):
+    """The block pool cannot hold what was asked for."""
+
+
+class BlockAllocator:
+    """``num_blocks`` block ids handed out from a free list, with promised capacity.
+
+    ``available`` = free blocks not promised to admitted sequences; ``admit`` checks it.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
+        self._used: set[int] = set()
+        self.promised = 0  # blocks promised to admitted sequences but not allocated yet
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    @property
+    def available(self) -> int:
+        """Free blocks nobody has been promised."""
+        return len(self._free) - self.promised
+
+    def allocate(self, promised: bool = False) -> int:
+        """One free block id; ``promised``: it was promised (consumes the promise)."""
+        if not self._free or (not promised and self.available <= 0):
+            raise CacheFullError(
+                f"KV block pool exhausted ({self.num_blocks} blocks); lower runner.batch_size "
+                f"or max_new_tokens"
+            )
+        block = self._free.pop()
+        self._used.add(block)
+        if promised:
+            self.promised -= 1
+        return block
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the free list (a double free is an error)."""
+        for b in blocks:
+            if b not in self._used:
+                raise RuntimeError(f"block {b} freed twice or never allocated")
+            self._used.remove(b)
+            self._free.append(b)
+
+    def promise(self, n: int) -> None:
+        if n > self.available:
+            raise CacheFullError(f"cannot promise {n} blocks; {self.available} available")
+        self.promised += n
+
+    def unpromise(self, n: int) -> None:
+        self.promised -= n
+        assert self.promised >= 0
+
+    def check_no_leaks(self) -> None:
+        """Raise unless every block is free and nothing is promised."""
+        if self._used or self.promised or len(self._free) != self.num_blocks:
+            raise RuntimeError(
+                f"KV block leak: {len(self._used)} blocks in use, {self.promised} promised, "
+                f"{len(self._free)}/{self.num_blocks} free"
+            )
+
+
+@dataclass
+class SequenceBlocks:
+    """One sequence's share of a ``PagedKVCache``.
+
+    Attributes:
+        blocks: block ids; position ``p`` is in ``blocks[p // block_size]``.
+        lengths: per layer, positions ``[0, lengths[l])`` are valid in layer ``l``.
+        max_len: the worst-case length this sequence was admitted with.
+        promised: blocks still promised (``ceil(max_len / bs) - ever allocated``, >= 0).
+    """
+
+    blocks: list[int]
+    lengths: list[int]
+    max_len: int
+    promised: int = 0
+    table: torch.Tensor | None = field(default=None, repr=False)  # [len(blocks)] int32 cache
+
+
+class PagedKVCache:
+    """The K/V pools of one model and the block tables of its sequences (see module doc)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_layers = num_layers
+        self.block_size = block_size
+        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [NL, NB, BS, KH, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [NL, NB, BS, KH, D]
+        self.allocator = BlockAllocator(num_blocks)
+        self.seqs: dict[int, SequenceBlocks] = {}
+
+    # ---------------------------------------------------------------- sequences
+    def blocks_for(self, length: int) -> int:
+        return math.ceil(length / self.block_size)
+
+    def can_admit(self, max_len: int) -> bool:
+        return self.blocks_for(max_len) <= self.allocator.available
+
+    def add_sequence(self, seq_id: int, max_len: int) -> list[PagedLayerKV]:
+        """Register a sequence of at most ``max_len`` positions; its per-layer ``LayerKV``s."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} is already in the cache")
+        need = self.blocks_for(max_len)
+        if need > self.allocator.num_blocks:
+            raise CacheFullError(
+                f"a sequence of {max_len} positions needs {need} KV blocks but the pool has "
+                f"{self.allocator.num_blocks}; raise the pool size or lower max_new_tokens"
+            )
+        self.allocator.promise(need)
+        self.seqs[seq_id] = SequenceBlocks([], [0] * self.num_layers, max_len, need)
+        return [PagedLayerKV(self, seq_id, layer) for layer in range(self.num_layers)]
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Free every block of the sequence and what it was still promised."""
+        seq = self.seqs.pop(seq_id)
+        self.allocator.free(seq.blocks)
+        self.allocator.unpromise(seq.promised)
+
+    def reserve(self, seq_id: int, length: int) -> None:
+        """Make sure positions ``[0, length)`` of the sequence have blocks."""
+        seq = self.seqs[seq_id]
+        if length > seq.max_len:
+            raise CacheFullError(
+                f"sequence {seq_id} grew to {length} positions, beyond its {seq.max_len}"
+            )
+        need = self.blocks_for(length)
+        while len(seq.blocks) < need:
+            from_promise = seq.promised > 0
+            seq.blocks.append(self.allocator.allocate(promised=from_promise))
+            seq.promised -= from_promise
+            seq.table = None
+
+    def set_length(self, seq_id: int, layer: int, length: int) -> None:
+        self.seqs[seq_id].lengths[layer] = length
+
+    def truncate(self, seq_id: int, layer: int, n: int) -> None:
+        """Layer ``layer`` of the sequence forgets positions ``>= n``; free unused blocks."""
+        if n < 0:
+            raise ValueError(f"cannot truncate a KV cache to {n} positions")
+        seq = self.seqs[seq_id]
+        seq.lengths[layer] = min(seq.lengths[layer], n)
+        keep = self.blocks_for(max(seq.lengths))
+        if keep < len(seq.blocks):
+            dropped = seq.blocks[keep:]
+            del seq.blocks[keep:]
+            self.allocator.free(dropped)
+            # The freed blocks go back to this sequence's promise: it may need them again.
+            self.allocator.promised += len(dropped)
+            seq.promised += len(dropped)
+            seq.table = None
+
+    # ---------------------------------------------------------------- addressing
+    def block_table(self, seq_ids: list[int], device: torch.device | str) -> torch.Tensor:
+        """``[B, max_blocks]`` int32 block ids, padded with 0 (masked by the lengths)."""
+        tables = []
+        for sid in seq_ids:
+            seq = self.seqs[sid]
+            if seq.table is None:
+                seq.table = torch.tensor(seq.blocks, dtype=torch.int32)
+            tables.append(seq.table)
+        width = max(1, max(t.shape[0] for t in tables))
+        out = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            out[i, : t.shape[0]] = t
+        return out.to(device)
+
+    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Flat slot ids (``block * block_size + offset``) of positions ``[start, end)``."""
+        seq, bs = self.seqs[seq_id], self.block_size
+        return [seq.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+class PagedLayerKV:
+    """The ``LayerKV`` of one (sequence, layer) of a ``PagedKVCache``."""
+
+    def __init__(self, cache: PagedKVCache, seq_id: int, layer: int) -> None:
+        self.cache = cache
+        self.seq_id = seq_id
+        self.layer = layer
+
+    @property
+    def length(self) -> int:
+        return self.cache.seqs[self.seq_id].lengths[self.layer]
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.seqs[self.seq_id].max_len
+
+    def truncate(self, n: int) -> None:
+        """Forget positions ``>= n`` (no-op when ``n >= length``); frees whole blocks."""
+        self.cache.truncate(self.seq_id, self.layer, n)

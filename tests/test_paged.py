@@ -1,0 +1,301 @@
+"""Paged KV cache and batched decoding (CPU): exactness, ragged batches, no block leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
+from specflow.models.session import ModelSession
+from specflow.paged.attention import AttnBatch, sdpa_paged, select_backend
+from specflow.paged.batch_engine import BatchedPipeline, SeqRequest
+from specflow.paged.batched_lm import BatchedLM, PagedSession, batched_logits
+from specflow.paged.cache import BlockAllocator, CacheFullError, PagedKVCache
+from specflow.results import RunFolder
+from specflow.runner import RunSettings
+from specflow.state import SamplingParams
+from specflow.workload import Request
+from stages.early_exit_verifier import EarlyExitVerifier
+from stages.exact_acceptor import ExactAcceptor
+from stages.full_verifier import FullVerifier
+from stages.layer_skip_drafter import LayerSkipDrafter
+from stages.model_drafter import ModelDrafter
+from stages.pld_drafter import PLDDrafter
+from stages.rejection_acceptor import RejectionAcceptor
+from tests.conftest import hf_greedy
+
+MAX_NEW = 30
+
+
+def _prompts(n: int, seed: int = 0, vocab: int = 127) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 25))] for _ in range(n)]
+    out[1] = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]  # repetitive: PLD drafts get accepted
+    return out
+
+
+# ---------------------------------------------------------------------------- allocator
+
+
+def test_allocator_many_requests_no_leaks():
+    rng = random.Random(0)
+    cache = PagedKVCache(2, 1, 4, num_blocks=40, block_size=4)
+    live: dict[int, int] = {}
+    for step in range(400):
+        if live and (rng.random() < 0.4 or not cache.can_admit(30)):
+            sid = rng.choice(sorted(live))
+            cache.remove_sequence(sid)
+            del live[sid]
+            continue
+        max_len = rng.randrange(1, 30)
+        if not cache.can_admit(max_len):
+            continue
+        kvs = cache.add_sequence(step, max_len)
+        live[step] = max_len
+        for _ in range(3):  # grow, then roll back, like a verification round
+            n = rng.randrange(0, max_len + 1)
+            cache.reserve(step, n)
+            for kv in kvs:
+                cache.set_length(step, kv.layer, n)
+            keep = rng.randrange(0, n + 1)
+            for kv in kvs:
+                kv.truncate(keep)
+            assert len(cache.seqs[step].blocks) == cache.blocks_for(keep)
+        used = sum(len(s.blocks) for s in cache.seqs.values())
+        assert cache.allocator.num_used == used
+    for sid in list(live):
+        cache.remove_sequence(sid)
+    cache.allocator.check_no_leaks()
+
+
+def test_rollback_frees_blocks_and_double_free_fails():
+    cache = PagedKVCache(3, 1, 4, num_blocks=10, block_size=4)
+    kvs = cache.add_sequence(0, 40)
+    cache.reserve(0, 17)
+    assert cache.allocator.num_used == 5
+    for kv in kvs:
+        cache.set_length(0, kv.layer, 17 if kv.layer == 0 else 9)
+    kvs[0].truncate(6)  # layers 1, 2 still hold 9 positions: 3 blocks stay
+    assert cache.allocator.num_used == 3
+    for kv in kvs[1:]:
+        kv.truncate(4)
+    assert cache.allocator.num_used == 2
+    assert cache.allocator.available == 0  # the rest is still promised to the sequence
+    with pytest.raises(CacheFullError):
+        cache.add_sequence(1, 4)
+    cache.remove_sequence(0)
+    cache.allocator.check_no_leaks()
+    alloc = BlockAllocator(2)
+    b = alloc.allocate()
+    alloc.free([b])
+    with pytest.raises(RuntimeError):
+        alloc.free([b])
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def test_sdpa_paged_is_lower_right_causal_on_ragged_queries():
+    torch.manual_seed(0)
+    nh, kh, d, bs = 4, 2, 8, 4
+    q_lens, kv_lens = [3, 1, 5], [7, 4, 5]
+    cache = PagedKVCache(1, kh, d, num_blocks=12, block_size=bs)
+    keys, vals = [], []
+    for i, n in enumerate(kv_lens):
+        cache.add_sequence(i, n)
+        cache.reserve(i, n)
+        k, v = torch.randn(n, kh, d), torch.randn(n, kh, d)
+        slots = torch.tensor(cache.slots(i, 0, n))
+        cache.k[0].view(-1, kh, d)[slots] = k
+        cache.v[0].view(-1, kh, d)[slots] = v
+        keys.append(k)
+        vals.append(v)
+    q = torch.randn(sum(q_lens), nh, d)
+    batch = AttnBatch.build(q_lens, kv_lens, cache.block_table([0, 1, 2], "cpu"), "cpu")
+    out = sdpa_paged(q, cache.k[0], cache.v[0], batch, d**-0.5)
+    row = 0
+    for t, n, k, v in zip(q_lens, kv_lens, keys, vals, strict=True):
+        qi = q[row : row + t].transpose(0, 1)  # [NH, t, D]
+        kk = k.transpose(0, 1).repeat_interleave(nh // kh, 0)  # [NH, n, D]
+        vv = v.transpose(0, 1).repeat_interleave(nh // kh, 0)
+        mask = torch.ones(t, n, dtype=torch.bool).tril(diagonal=n - t)  # lower-right
+        ref = F.scaled_dot_product_attention(qi, kk, vv, attn_mask=mask).transpose(0, 1)
+        torch.testing.assert_close(out[row : row + t], ref, atol=1e-5, rtol=1e-5)
+        row += t
+
+
+def test_select_backend_on_cpu():
+    assert select_backend("auto", "cpu", torch.float32)[0] == "sdpa"
+    assert select_backend("sdpa", "cpu", torch.float32)[0] == "sdpa"
+    with pytest.raises(ConfigError):
+        select_backend("flash", "cpu", torch.bfloat16)
+    with pytest.raises(ConfigError):
+        select_backend("xformers", "cpu", torch.float32)
+
+
+# ---------------------------------------------------------------------------- logits
+
+
+@pytest.mark.parametrize("model", ["tiny_target", "tiny_qwen"])
+def test_paged_and_contiguous_logits_identical(model, request):
+    """Prefill, decode steps, a verification block and a rollback, 3 sequences batched."""
+    _, lm = request.getfixturevalue(model)
+    top = lm.info.num_layers
+    blm = BatchedLM(lm)
+    cache = blm.new_cache(num_blocks=64, block_size=4)
+    seqs = _prompts(3, seed=5)
+    refs = [ModelSession(lm, 64) for _ in seqs]
+    paged = [PagedSession(blm, cache, i, 64) for i in range(len(seqs))]
+    rng = random.Random(1)
+
+    def check(spans):
+        want = []
+        for sess, toks, (exit_layer, start, end) in zip(refs, seqs, spans, strict=True):
+            sess.set_tokens(toks)
+            want.append(sess.logits(exit_layer, start, end))
+        for sess, toks in zip(paged, seqs, strict=True):
+            sess.set_tokens(toks)
+        got = batched_logits([(p, e, s, end) for p, (e, s, end) in zip(paged, spans, strict=True)])
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=5e-5, rtol=0)
+
+    check([(top, 0, len(s)) for s in seqs])  # prefill: every position
+    for _ in range(3):  # decode steps, an early exit first on every other step
+        for s in seqs:
+            s.append(rng.randrange(127))
+        check([(top, len(s) - 1, len(s)) for s in seqs])
+    drafts = [[rng.randrange(127) for _ in range(k)] for k in (4, 0, 2)]
+    for s in seqs:  # the bonus token of the last step, not computed yet
+        s.append(rng.randrange(127))
+    committed = [len(s) for s in seqs]
+    for s, d in zip(seqs, drafts, strict=True):
+        s.extend(d)
+    check([(top, c - 1, len(s)) for c, s in zip(committed, seqs, strict=True)])  # verify
+    for s, c in zip(seqs, committed, strict=True):  # reject everything, take another token
+        del s[c:]
+        s.append(rng.randrange(127))
+    check([(top - 2, len(s) - 1, len(s)) for s in seqs])  # an early exit after rollback
+    check([(top, len(s) - 1, len(s)) for s in seqs])  # the deeper layers continue
+    for p in paged:
+        p.release()
+    cache.allocator.check_no_leaks()
+
+
+# ---------------------------------------------------------------------------- greedy
+
+
+def _pipelines(target, drafter):
+    def p(**kw):
+        return SpeculativePipeline(FullVerifier(target), ExactAcceptor(), **kw)
+
+    return {
+        "ar": lambda: p(),
+        "pld": lambda: p(drafter=PLDDrafter(k=5)),
+        "sps": lambda: p(drafter=ModelDrafter(drafter, k=3)),
+        "early_exit": lambda: p(drafter=ModelDrafter(target, k=3, exit_layer=2)),
+        "hispec": lambda: p(
+            drafter=ModelDrafter(target, k=2, exit_layer=1),
+            intermediate_verifier=EarlyExitVerifier(target, exit_layer=3, accumulate=3),
+        ),
+        "layer_skip": lambda: p(drafter=LayerSkipDrafter(target, [1, 2], k=3)),
+        "pld_model": lambda: p(
+            drafter=SpeculativePipeline(
+                FullVerifier(drafter),
+                ExactAcceptor(),
+                drafter=PLDDrafter(k=3),
+                level="draft",
+                k=4,
+            )
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "method", ["ar", "pld", "sps", "early_exit", "hispec", "layer_skip", "pld_model"]
+)
+def test_batched_greedy_equals_batch_one(method, tiny_target, tiny_drafter):
+    """7 requests through 3 slots (continuous batching): each equals its batch-1 output."""
+    hf, target = tiny_target
+    pipe = _pipelines(target, tiny_drafter[1])[method]()
+    prompts = _prompts(7)
+    want = [pipe.generate(p, MAX_NEW).tokens for p in prompts]
+    if method == "ar":
+        assert want[1] == hf_greedy(hf, prompts[1], MAX_NEW)
+    bp = BatchedPipeline(pipe, batch_size=3, max_context=64, block_size=4)
+    results = bp.generate([SeqRequest(p, MAX_NEW, tag=i) for i, p in enumerate(prompts)])
+    got = {r.request.tag: r.generation for r in results}
+    assert [got[i].tokens for i in range(len(prompts))] == want
+    assert max(bp.stats.occupancy) == 3 and bp.stats.new_tokens == sum(map(len, want))
+    if method != "ar":
+        assert sum(g.stats.drafted for g in got.values()) > 0
+    if method in ("early_exit", "hispec", "layer_skip"):  # ragged acceptance happened
+        assert len({g.stats.accepted for g in got.values()}) > 1
+    bp.models.check_no_leaks()
+
+
+def test_batched_sampling_equals_batch_one(tiny_target, tiny_drafter):
+    """Per-sequence generators: sampling draws the same numbers as batch 1."""
+    _, target = tiny_target
+    pipe = SpeculativePipeline(
+        FullVerifier(target), RejectionAcceptor(), drafter=ModelDrafter(tiny_drafter[1], k=3)
+    )
+    sampling = SamplingParams(temperature=1.0)
+    prompts = _prompts(4, seed=2)
+    want = [pipe.generate(p, 20, sampling, seed=i).tokens for i, p in enumerate(prompts)]
+    bp = BatchedPipeline(pipe, batch_size=4, max_context=64)
+    reqs = [SeqRequest(p, 20, seed=i, tag=i) for i, p in enumerate(prompts)]
+    got = {r.request.tag: r.generation.tokens for r in bp.generate(reqs, sampling)}
+    assert [got[i] for i in range(len(prompts))] == want
+
+
+def test_pool_too_small_waits_then_fails_clearly(tiny_target):
+    _, target = tiny_target
+    pipe = SpeculativePipeline(FullVerifier(target), ExactAcceptor())
+    # Room for one sequence at a time: the second request waits for the first's blocks.
+    bp = BatchedPipeline(pipe, batch_size=2, block_size=4, num_blocks=8)
+    results = bp.generate([SeqRequest([1, 2, 3], 20), SeqRequest([4, 5], 20)])
+    assert len(results) == 2 and max(bp.stats.occupancy) == 1
+    with pytest.raises(CacheFullError):
+        bp.generate([SeqRequest(list(range(1, 40)), 20)])
+    bp.models.check_no_leaks()
+
+
+# ---------------------------------------------------------------------------- runner
+
+
+class _Tok:
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 50 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_batch_runner_records_and_summary(tiny_target, tmp_path):
+    from specflow.paged.batch_runner import BatchRunner
+
+    _, target = tiny_target
+    pipe = SpeculativePipeline(FullVerifier(target), ExactAcceptor(), drafter=PLDDrafter(k=4))
+    settings = RunSettings(max_new_tokens=12, warmup=True, baseline=True, baseline_cache=False)
+    runner = BatchRunner(pipe, _Tok(), settings, SamplingParams(), batch_size=2)
+    requests = [
+        Request("a", "qa", ("abcabcabc",)),
+        Request("b", "mt_bench", ("hello there", "and again")),
+        Request("c", "qa", ("xyzxyz",)),
+    ]
+    summary = runner.run(requests, RunFolder(tmp_path, resume=False), {"method": "pld"})
+    assert summary["complete"] and summary["num_requests"] == 3
+    assert summary["fidelity"] == 1.0
+    batch = summary["batch"]
+    assert batch["batch_size"] == 2 and batch["throughput_tokens_per_s"] > 0
+    assert batch["baseline_throughput_tokens_per_s"] > 0 and batch["latency_s_p50"] > 0
+    rec = {r["request_id"]: r for r in RunFolder(tmp_path, resume=True).records}
+    assert len(rec["b"]["turns"]) == 2
+    # turn 2's prompt contains turn 1's answer
+    assert rec["b"]["turns"][1]["prompt_tokens"] > rec["b"]["turns"][0]["prompt_tokens"] + 10
