@@ -15,8 +15,11 @@ and costs ``k * t_draft + t_verify(k + 1)`` seconds, with ``t_verify(n) = t1 * (
 It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..k_max``.  alpha is estimated from
 the positions tried (a position is tried when every earlier one was accepted), with a
 Beta(1, 1) prior and a discount so it follows drift within a request, and used
-optimistically (alpha + one standard error).  After ``probe_every`` plain rounds in a row
-it drafts one token to re-measure a skipped drafter (cost: ~1/probe_every of a token).
+optimistically (alpha + ``optimism`` standard errors).  A new request inherits the
+previous request's times and, shrunk to ``prior_strength`` positions, its acceptance
+evidence: short answers would otherwise be over before the model has learned anything.
+After ``probe_every`` plain rounds in a row it drafts one token to re-measure a skipped
+drafter (cost: ~1/probe_every of a token).
 """
 
 from __future__ import annotations
@@ -97,15 +100,18 @@ class AdaptiveDraftLength:
         beta_prior: marginal verification cost per extra token before any measurement.
         ema: smoothing of the measured times.
         probe_every: after this many plain rounds in a row, draft one token to re-measure.
+        prior_strength: how many draft positions of evidence a new request inherits from
+            the previous ones (0: every request starts from the Beta(1, 1) prior).
     """
 
     def __init__(
         self,
         discount: float = 0.95,
-        optimism: float = 1.0,
+        optimism: float = 0.5,
         beta_prior: float = 0.1,
         ema: float = 0.3,
         probe_every: int = 16,
+        prior_strength: float = 8.0,
     ) -> None:
         if not 0.0 < discount <= 1.0:
             raise ConfigError(f"draft_length.discount must be in (0, 1], got {discount}")
@@ -114,9 +120,24 @@ class AdaptiveDraftLength:
         self.beta_prior = beta_prior
         self.ema = ema
         self.probe_every = probe_every
+        self.prior_strength = prior_strength
+        self._last: CostModel | None = None  # the latest request's model (prior of the next)
 
     def begin(self, state: DecodeState) -> None:
-        state.scratch[id(self)] = CostModel(beta=self.beta_prior)
+        """A new request starts from what earlier requests of this run measured: the times
+        as they were, the acceptance evidence shrunk to ``prior_strength`` positions."""
+        prev = self._last
+        if prev is None:
+            state.scratch[id(self)] = CostModel(beta=self.beta_prior)
+            return
+        scale = min(1.0, self.prior_strength / prev.tried) if prev.tried > 0 else 0.0
+        state.scratch[id(self)] = CostModel(
+            tried=prev.tried * scale,
+            accepted=prev.accepted * scale,
+            t_draft=prev.t_draft,
+            t1=prev.t1,
+            beta=prev.beta,
+        )
 
     def _model(self, state: DecodeState) -> CostModel:
         model = state.scratch.get(id(self))
@@ -144,6 +165,7 @@ class AdaptiveDraftLength:
         self, state: DecodeState, drafted: int, accepted: int, draft_s: float, verify_s: float
     ) -> None:
         m = self._model(state)
+        self._last = m
         w = self.ema
 
         def smooth(old: float | None, new: float) -> float:

@@ -77,3 +77,16 @@ def test_adaptive_pipeline_keeps_greedy_identity(tiny_target, mode):
             generated += chosen + 1
     if mode == "never":
         assert gen.stats.chosen_k.count(0) > gen.stats.rounds // 2
+
+
+def test_a_new_request_inherits_the_previous_evidence():
+    """After a request whose drafts all failed, the next one starts with k = 0 at once."""
+    policy = AdaptiveDraftLength()
+    simulate(policy, accept_all=False, rounds=40)
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    assert policy.choose(state, 8) == 0
+    fresh = AdaptiveDraftLength(prior_strength=0.0)
+    simulate(fresh, accept_all=False, rounds=40)
+    fresh.begin(state)
+    assert fresh.choose(state, 8) > 0  # Beta(1, 1): optimistic again
