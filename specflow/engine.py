@@ -203,8 +203,13 @@ class SpeculativePipeline:
         sampling: SamplingParams | None = None,
         seed: int = 0,
         stop_token_ids: tuple[int, ...] | None = None,
+        on_round: Callable[[dict[str, int]], None] | None = None,
     ) -> Generation:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt`` (stop at EOS)."""
+        """Generate up to ``max_new_tokens`` tokens after ``prompt`` (stop at EOS).
+
+        ``on_round`` (optional) is called after every round with ``{"round", "k",
+        "drafted", "accepted", "committed"}`` (the round-end hook of callbacks).
+        """
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if max_new_tokens < 1:
@@ -234,6 +239,15 @@ class SpeculativePipeline:
         while state.num_generated < max_new_tokens:
             before = len(state.tokens)
             new, _ = self.run_round(state, max_new_tokens - state.num_generated)
+            if on_round is not None:
+                s = state.stats
+                on_round({
+                    "round": s.rounds,
+                    "k": s.chosen_k[-1],
+                    "drafted": s.drafted_per_round[-1],
+                    "accepted": s.accepted_per_round[-1],
+                    "committed": len(new),
+                })
             hit = next((i for i, t in enumerate(new) if t in stop_ids), None)
             if hit is not None:
                 del state.tokens[before + hit + 1 :]

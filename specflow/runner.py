@@ -52,6 +52,9 @@ class RunCallback(Protocol):
 
     def on_request_start(self, request: Request) -> None: ...
 
+    def on_round_end(self, request: Request, event: dict[str, int]) -> None:
+        """After every round: ``round``, ``k``, ``drafted``, ``accepted``, ``committed``."""
+
     def on_request_end(self, record: dict[str, Any]) -> None: ...
 
     def on_run_end(self, summary: dict[str, Any], folder: Path) -> None: ...
@@ -238,6 +241,13 @@ class Runner:
             cache_root / "baselines" if settings.baseline_cache else None
         )
 
+    def _round_hook(self, request: Request) -> Any:
+        """``on_round_end(request, event)`` for the callbacks that define it (else None)."""
+        hooks = [cb.on_round_end for cb in self.callbacks if hasattr(cb, "on_round_end")]
+        if not hooks:
+            return None
+        return lambda event: [hook(request, event) for hook in hooks]
+
     def _emit(self, hook: str, *args: Any, safe: bool = False) -> None:
         """Call ``hook`` on every callback having it; ``safe``: log errors, call them all."""
         for cb in self.callbacks:
@@ -298,7 +308,9 @@ class Runner:
                 base_s += b_s
                 base_text = self.tokenizer.decode(b_tokens, skip_special_tokens=True)
                 base_msgs.append({"role": "assistant", "content": base_text})
-            gen = self.pipeline.generate(prompt, s.max_new_tokens, self.sampling, s.seed)
+            gen = self.pipeline.generate(
+                prompt, s.max_new_tokens, self.sampling, s.seed, on_round=self._round_hook(request)
+            )
             gens.append(gen)
             text = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
             method_msgs.append({"role": "assistant", "content": text})

@@ -168,3 +168,15 @@ def test_clear_errors(tiny_target, tiny_qwen):
         from specflow.state import SamplingParams
 
         pipeline(lm).generate([1, 2], 4, SamplingParams(temperature=1.0))
+
+
+def test_round_hook_sees_every_round(tiny_target, tiny_drafter):
+    _, lm = tiny_target
+    _, draft_lm = tiny_drafter
+    events = []
+    gen = pipeline(lm, ModelDrafter(draft_lm, k=3)).generate(
+        PROMPTS[0], MAX_NEW, on_round=events.append
+    )
+    assert [e["round"] for e in events] == list(range(1, gen.stats.rounds + 1))
+    assert [e["accepted"] for e in events] == gen.stats.accepted_per_round
+    assert sum(e["committed"] for e in events) >= len(gen.tokens)
