@@ -308,9 +308,9 @@ class Runner:
                 base_s += b_s
                 base_text = self.tokenizer.decode(b_tokens, skip_special_tokens=True)
                 base_msgs.append({"role": "assistant", "content": base_text})
-            gen = self.pipeline.generate(
-                prompt, s.max_new_tokens, self.sampling, s.seed, on_round=self._round_hook(request)
-            )
+            hook = self._round_hook(request)
+            extra = {"on_round": hook} if hook is not None else {}
+            gen = self.pipeline.generate(prompt, s.max_new_tokens, self.sampling, s.seed, **extra)
             gens.append(gen)
             text = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
             method_msgs.append({"role": "assistant", "content": text})
