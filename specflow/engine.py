@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specflow.errors import ConfigError, PromptTooLongError
-from specflow.models.base import ModelInfo
+from specflow.models.base import ModelInfo, check_same_tokenizer
 from specflow.protocols import (
     Acceptor,
     Drafter,
@@ -302,17 +302,6 @@ class SpeculativePipeline:
             inner.stats = state.stats_for_level(self.level)
             state.scratch[id(self)] = inner
         return inner
-
-
-def check_same_tokenizer(drafter: ModelInfo, target: ModelInfo) -> None:
-    """Raise ``ConfigError`` unless the two models share a tokenizer."""
-    if drafter.tokenizer_fingerprint != target.tokenizer_fingerprint:
-        raise ConfigError(
-            f"drafter model '{drafter.name}' and target model '{target.name}' use different "
-            f"tokenizers (vocab {drafter.vocab_size} vs {target.vocab_size}); draft tokens "
-            f"would mean different text. Pick a drafter from the target's family (e.g. "
-            f"qwen2.5-coder-0.5b for qwen2.5-coder-1.5b), or a model-free drafter (drafter=pld)"
-        )
 
 
 def check_exit_order(drafter: object, intermediate: object) -> None:

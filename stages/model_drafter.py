@@ -16,7 +16,6 @@ from specflow.errors import ConfigError
 from specflow.models.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
 from specflow.state import DecodeState, Draft
-from specflow.verification import prefill
 
 
 class ModelDrafter:
@@ -61,7 +60,8 @@ class ModelDrafter:
         return [self.lm.info]
 
     def begin(self, state: DecodeState) -> None:
-        prefill(state, self.lm, self.exit_layer)
+        """Nothing: the drafter's session prefills lazily on its first draft, so a request
+        whose draft-length policy never drafts (k = 0 throughout) never pays for it."""
 
     def propose(self, state: DecodeState, k: int) -> Draft:
         return draft_with_model(state, self.lm, self.exit_layer, k, self.min_confidence)

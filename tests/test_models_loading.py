@@ -239,7 +239,7 @@ def test_different_tokenizers_are_refused(tmp_path):
     assert a.name in msg and b.name in msg and "qwen2.5-coder-0.5b" in msg
     plain = ModelInfo("x", 1, 8, 4, 16, tokenizer_fingerprint="f1")
     check_same_tokenizer(plain, dataclasses.replace(plain, name="y"))
-    with pytest.raises(ConfigError, match="'x' and 'y'"):
+    with pytest.raises(ConfigError, match="'x' and target model 'y'"):
         check_same_tokenizer(plain, dataclasses.replace(plain, name="y",
                                                         tokenizer_fingerprint="f2"))
 

@@ -22,6 +22,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specflow.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -82,3 +84,15 @@ class LayeredLM(Protocol):
 
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
         """``h_exit [T, H] -> logits [T, V]`` (float32) at exit ``exit_layer`` in 1..N."""
+
+
+def check_same_tokenizer(drafter: ModelInfo, target: ModelInfo) -> None:
+    """Raise ``ConfigError`` unless the two models share a tokenizer (drafter / target)."""
+    if drafter.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise ConfigError(
+            f"drafter model {drafter.name!r} and target model {target.name!r} use different "
+            f"tokenizers ({drafter.tokenizer_fingerprint[:12]} vs "
+            f"{target.tokenizer_fingerprint[:12]}), so draft tokens would mean different text; "
+            f"pick a drafter that shares the target's tokenizer (e.g. qwen2.5-coder-0.5b for "
+            f"qwen2.5-coder-1.5b) or a model-free drafter (drafter=pld)"
+        )

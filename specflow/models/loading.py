@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from specflow.errors import ConfigError, ModelNotFoundError
-from specflow.models.base import LayeredLM, ModelInfo
+from specflow.models.base import LayeredLM, ModelInfo, check_same_tokenizer  # noqa: F401 (re-export)
 from specflow.models.registry import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -138,17 +138,6 @@ def build_model_info(name: str, hf_model: Any, tokenizer: Any) -> ModelInfo:
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         weights_fingerprint=weights_fingerprint(hf_model, num_layers),
     )
-
-
-def check_same_tokenizer(a: ModelInfo, b: ModelInfo) -> None:
-    """Raise ``ConfigError`` unless ``a`` and ``b`` share a tokenizer (drafter/target)."""
-    if a.tokenizer_fingerprint != b.tokenizer_fingerprint:
-        raise ConfigError(
-            f"models {a.name!r} and {b.name!r} use different tokenizers "
-            f"({a.tokenizer_fingerprint[:12]} vs {b.tokenizer_fingerprint[:12]}), so one "
-            f"cannot draft for the other; pick a drafter that shares the target's tokenizer, "
-            f"e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b"
-        )
 
 
 # ----------------------------------------------------------------------------- resolution
