@@ -183,14 +183,7 @@ class SpeculativePipeline:
         accepted = verdict.num_accepted
         if self.draft_length is not None:
             self.draft_length.observe(state, draft.k, accepted, t1 - t0, t2 - t1)
-        stats.rounds += 1
-        stats.target_calls += 1
-        stats.drafted += draft.k
-        stats.accepted += accepted
-        stats.drafted_per_round.append(draft.k)
-        stats.accepted_per_round.append(accepted)
-        if draft.k:
-            stats.record_level(self.level, draft.k, accepted)
+        stats.record_round(self.level, draft.k, accepted)
         new = draft.tokens[:accepted] + [verdict.next_token]
         state.tokens.extend(new)
         return new, logits

@@ -142,6 +142,17 @@ class RoundStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    def record_round(self, level: str, drafted: int, accepted: int) -> None:
+        """Count one verified round (one target call) at verification level ``level``."""
+        self.rounds += 1
+        self.target_calls += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.drafted_per_round.append(drafted)
+        self.accepted_per_round.append(accepted)
+        if drafted:
+            self.record_level(level, drafted, accepted)
+
     def record_level(self, level: str, drafted: int, accepted: int) -> None:
         self.level_drafted[level] = self.level_drafted.get(level, 0) + drafted
         self.level_accepted[level] = self.level_accepted.get(level, 0) + accepted

@@ -314,15 +314,7 @@ class _Level:
         for st, draft, logits in zip(states, drafts, all_logits, strict=True):
             verdict = self.p.acceptor.accept(st, draft, logits)
             accepted = verdict.num_accepted
-            stats = st.stats
-            stats.rounds += 1
-            stats.target_calls += 1
-            stats.drafted += draft.k
-            stats.accepted += accepted
-            stats.drafted_per_round.append(draft.k)
-            stats.accepted_per_round.append(accepted)
-            if draft.k:
-                stats.record_level(self.p.level, draft.k, accepted)
+            st.stats.record_round(self.p.level, draft.k, accepted)
             new = draft.tokens[:accepted] + [verdict.next_token]
             st.tokens.extend(new)
             out.append((new, logits))
