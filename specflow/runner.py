@@ -371,18 +371,27 @@ class Runner:
         complete = False
         try:
             self._emit("on_run_start", meta, len(todo))
-            if todo and self.settings.warmup:
-                self.warmup(todo[0])
-            for request in todo:
-                self._emit("on_request_start", request)
-                record = self.run_request(request)
-                folder.append(record)
-                self._emit("on_request_end", record)
+            self.decode_requests(todo, folder)
             complete = True
         finally:
             wanted = {r.request_id for r in requests}
             records = [r for r in folder.records if r["request_id"] in wanted]
             summary = summarize(records, {**meta, "complete": complete})
+            summary.update(self.summary_extra(records))
             folder.write_summary(summary)
             self._emit("on_run_end", summary, folder.path, safe=True)
         return summary
+
+    def decode_requests(self, todo: list[Request], folder: RunFolder) -> None:
+        """Warm up, then decode each request and append its record as soon as it is done."""
+        if todo and self.settings.warmup:
+            self.warmup(todo[0])
+        for request in todo:
+            self._emit("on_request_start", request)
+            record = self.run_request(request)
+            folder.append(record)
+            self._emit("on_request_end", record)
+
+    def summary_extra(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Keys a runner adds to the summary (none here; batching adds ``batch``)."""
+        return {}

@@ -51,20 +51,25 @@ def _check_arms(num_arms: int) -> None:
 
 
 class UCBSelector:
-    """UCB1 (see module doc).
+    """UCB1, or discounted UCB with ``gamma < 1`` (see module doc).
 
     Args:
         c: exploration scale (1.0 = UCB1; 0 = greedy after one pull of each arm).
+        gamma: discount per round in (0, 1]; 1 = UCB1, about 1 - 1/(rounds remembered)
+            otherwise (0.95: ~20).
 
     Attributes:
-        counts: pulls per arm in this request (n_i).
-        sums: summed rewards per arm in this request.
+        counts: (discounted) pulls per arm in this request (n_i / N_i).
+        sums: (discounted) summed rewards per arm in this request.
     """
 
-    def __init__(self, c: float = 1.0) -> None:
+    def __init__(self, c: float = 1.0, gamma: float = 1.0) -> None:
         if c < 0:
             raise ConfigError(f"selector.c must be >= 0, got {c}")
+        if not 0.0 < gamma <= 1.0:
+            raise ConfigError(f"selector.gamma must be in (0, 1], got {gamma}")
         self.c = c
+        self.gamma = gamma
         self.counts: list[float] = []
         self.sums: list[float] = []
 
@@ -77,42 +82,13 @@ class UCBSelector:
         return argmax(ucb_index(self.sums, self.counts, self.c))  # untried arms first (inf)
 
     def update(self, arm: int, reward: float) -> None:
+        if self.gamma < 1.0:
+            self.counts = [n * self.gamma for n in self.counts]
+            self.sums = [s * self.gamma for s in self.sums]
         self.counts[arm] += 1.0
         self.sums[arm] += reward
 
 
-class DiscountedUCBSelector:
-    """Discounted UCB (see module doc).
-
-    Args:
-        gamma: discount per round in (0, 1]; about 1 - 1/(rounds remembered) (0.95: ~20).
-        c: exploration scale.
-
-    Attributes:
-        counts: discounted pulls per arm (N_i).
-        sums: discounted summed rewards per arm.
-    """
-
-    def __init__(self, gamma: float = 0.95, c: float = 1.0) -> None:
-        if not 0.0 < gamma <= 1.0:
-            raise ConfigError(f"selector.gamma must be in (0, 1], got {gamma}")
-        if c < 0:
-            raise ConfigError(f"selector.c must be >= 0, got {c}")
-        self.gamma = gamma
-        self.c = c
-        self.counts: list[float] = []
-        self.sums: list[float] = []
-
-    def begin(self, num_arms: int) -> None:
-        _check_arms(num_arms)
-        self.counts = [0.0] * num_arms
-        self.sums = [0.0] * num_arms
-
-    def select(self) -> int:
-        return argmax(ucb_index(self.sums, self.counts, self.c))
-
-    def update(self, arm: int, reward: float) -> None:
-        self.counts = [n * self.gamma for n in self.counts]
-        self.sums = [s * self.gamma for s in self.sums]
-        self.counts[arm] += 1.0
-        self.sums[arm] += reward
+def DiscountedUCBSelector(gamma: float = 0.95, c: float = 1.0) -> UCBSelector:  # noqa: N802
+    """Selector ``discounted_ucb``: ``UCBSelector`` with a discount (drift within a request)."""
+    return UCBSelector(c=c, gamma=gamma)

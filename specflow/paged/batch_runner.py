@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from typing import Any
 
 from specflow.paged.batch_engine import BatchedPipeline, BatchResult, SeqRequest
-from specflow.results import RunFolder, summarize
-from specflow.runner import Runner, _generation_metrics, _score, build_prompt, machine_description
+from specflow.results import RunFolder
+from specflow.runner import Runner, _generation_metrics, _score, build_prompt
 from specflow.workload import Request
 
 log = logging.getLogger(__name__)
@@ -162,40 +161,27 @@ class BatchRunner(Runner):
         return record
 
     # ---------------------------------------------------------------- the run
-    def run(
-        self, requests: list[Request], folder: RunFolder, meta: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Decode every request not already in ``folder``; always writes ``summary.json``."""
-        todo = [r for r in requests if r.request_id not in folder.done_ids]
-        meta = {
-            **meta,
-            "machine": machine_description(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "output_dir": str(folder.path.resolve()),
-        }
-        batch: dict[str, Any] = {"batch_size": self.batch_size, "device": self.device}
-        complete = False
-        try:
-            self._emit("on_run_start", meta, len(todo))
-            if todo:
-                batch.update(self._run_batched(todo, folder))
-            complete = True
-        finally:
-            wanted = {r.request_id for r in requests}
-            records = [r for r in folder.records if r["request_id"] in wanted]
-            summary = summarize(records, {**meta, "complete": complete})
-            lat = [r["metrics"].get("latency_s", r["metrics"]["total_s"]) for r in records]
-            batch.update(
-                {
-                    "latency_s_mean": statistics.fmean(lat) if lat else None,
-                    "latency_s_p50": _percentile(lat, 0.5),
-                    "latency_s_p90": _percentile(lat, 0.9),
-                }
-            )
-            summary["batch"] = batch
-            folder.write_summary(summary)
-            self._emit("on_run_end", summary, folder.path, safe=True)
-        return summary
+    def decode_requests(self, todo: list[Request], folder: RunFolder) -> None:
+        """Decode ``todo`` in batches (records appended as each request finishes)."""
+        self._batch_info: dict[str, Any] = {"batch_size": self.batch_size, "device": self.device}
+        if todo:
+            self._batch_info.update(self._run_batched(todo, folder))
+
+    def summary_extra(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """``batch``: size, device, backend, throughput across the batch and latencies."""
+        batch = dict(
+            getattr(self, "_batch_info", None)
+            or {"batch_size": self.batch_size, "device": self.device}
+        )
+        lat = [r["metrics"].get("latency_s", r["metrics"]["total_s"]) for r in records]
+        batch.update(
+            {
+                "latency_s_mean": statistics.fmean(lat) if lat else None,
+                "latency_s_p50": _percentile(lat, 0.5),
+                "latency_s_p90": _percentile(lat, 0.9),
+            }
+        )
+        return {"batch": batch}
 
     def _run_batched(self, todo: list[Request], folder: RunFolder) -> dict[str, Any]:
         s = self.settings
