@@ -18,16 +18,18 @@ W1="model=qwen2.5-coder-1.5b workload.per_category=2 workload.max_turns=1 runner
 if [[ " $parts " == *" w1 "* ]]; then
   step "#9: pld / sps, fixed vs adaptive draft length"
   run -m +experiment=pld,sps draft_length=fixed,adaptive $W1 hydra.sweep.dir="$OUT/w1_adaptive"
+  step "#9: sps drafting over a 32k-token vocabulary subset, fixed vs adaptive"
+  run -m +experiment=sps drafter.vocab_subset=32768 draft_length=fixed,adaptive $W1 \
+    hydra.sweep.dir="$OUT/w1_sps_vocab"
   step "#6: MetaSD, block divergence (bd) and block efficiency (be)"
   run -m +experiment=metasd,metasd_be $W1 hydra.sweep.dir="$OUT/w1_metasd"
   step "#6: the pool's other arms alone (arm 0 = pld fixed, arm 1 = sps fixed above)"
   run -m +experiment=metasd selector=fixed selector.arm=2,3 $W1 hydra.sweep.dir="$OUT/w1_arms"
   step "#6/#9 tables"
-  $PY -m specflow.compare "$OUT"/w1_adaptive/*/ "$OUT"/w1_metasd/*/ "$OUT"/w1_arms/*/ \
-    | tee "$OUT/w1_compare.txt"
-  for m in 0 1; do
-    $PY -m specflow.oracle "$OUT/w1_adaptive/0" "$OUT/w1_adaptive/2" "$OUT/w1_arms/0" \
-      "$OUT/w1_arms/1" --metasd "$OUT/w1_metasd/$m" | tee "$OUT/w1_oracle_$m.txt"
+  $PY -m specflow.compare "$OUT"/w1_*/*/ | tee "$OUT/w1_compare.txt"
+  for m in 0 1; do  # sweep job folders are <job number>_<overrides>
+    $PY -m specflow.oracle "$OUT"/w1_adaptive/0_* "$OUT"/w1_adaptive/2_* "$OUT"/w1_arms/0_* \
+      "$OUT"/w1_arms/1_* --metasd "$OUT"/w1_metasd/${m}_* | tee "$OUT/w1_oracle_$m.txt"
   done
 fi
 

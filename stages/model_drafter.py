@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specflow.drafting import draft_with_model
+from specflow.drafting import SubVocabHead, draft_with_model
 from specflow.errors import ConfigError
 from specflow.models.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
@@ -28,6 +28,9 @@ class ModelDrafter:
             self-speculative drafting.  A float in (0, 1) is a fraction of the depth,
             ``round(exit_layer * N)`` (at least 1): one config fits targets of any depth.
         min_confidence: stop drafting once the drafter's top probability drops below this.
+        vocab_subset: draft over only the N lowest token ids plus the request's prompt tokens
+            and EOS (``SubVocabHead``: the head's cost shrinks by about N / V; lossless, the
+            target verifies).  ``None``: the full vocabulary.
     """
 
     name = "model"
@@ -38,6 +41,7 @@ class ModelDrafter:
         k: int = 4,
         exit_layer: int | float | None = None,
         min_confidence: float = 0.0,
+        vocab_subset: int | None = None,
     ) -> None:
         if k < 1:
             raise ConfigError(f"drafter.k must be >= 1, got {k}")
@@ -55,13 +59,29 @@ class ModelDrafter:
                 f"({self.lm.info.name} has {depth} layers)"
             )
         self.k = k
+        if vocab_subset is not None:
+            if vocab_subset < 1:
+                raise ConfigError(f"drafter.vocab_subset must be >= 1 or null, got {vocab_subset}")
+            if not hasattr(self.lm, "head_input") or getattr(self.lm, "lm_head", None) is None:
+                raise ConfigError(
+                    f"drafter.vocab_subset needs the native backend (an LM head it can slice); "
+                    f"{self.lm.info.name} runs on another: set drafter.vocab_subset=null"
+                )
+        self.vocab_subset = vocab_subset
 
     def models(self) -> list[ModelInfo]:
         return [self.lm.info]
 
     def begin(self, state: DecodeState) -> None:
-        """Nothing: the drafter's session prefills lazily on its first draft, so a request
-        whose draft-length policy never drafts (k = 0 throughout) never pays for it."""
+        """The request's vocabulary subset, if any.  No prefill: the drafter's session
+        prefills lazily on its first draft, so a request whose draft-length policy never
+        drafts (k = 0 throughout) never pays for it."""
+        if self.vocab_subset is not None:
+            always = list(state.tokens) + list(self.lm.info.eos_token_ids)
+            state.scratch[id(self)] = SubVocabHead.build(self.lm, self.vocab_subset, always)
 
     def propose(self, state: DecodeState, k: int) -> Draft:
-        return draft_with_model(state, self.lm, self.exit_layer, k, self.min_confidence)
+        subvocab = state.scratch.get(id(self)) if self.vocab_subset is not None else None
+        return draft_with_model(
+            state, self.lm, self.exit_layer, k, self.min_confidence, subvocab=subvocab
+        )

@@ -94,14 +94,15 @@ def test_the_statistical_test_catches_a_biased_acceptor():
     assert _chi2_pvalue(p, q, accept_all) < 1e-6
 
 
-def test_sampled_pipeline_matches_target_distribution(tiny_target, tiny_drafter):
-    """End to end with real models: the first two sampled tokens follow the target's law."""
+@pytest.mark.parametrize("vocab_subset", [None, 6])
+def test_sampled_pipeline_matches_target_distribution(tiny_target, tiny_drafter, vocab_subset):
+    """End to end with real models: the first two sampled tokens follow the target's law
+    (also when the drafter samples from a subset of the vocabulary: q is then zero outside)."""
     _, lm = tiny_target
     _, draft_lm = tiny_drafter
     sampling = SamplingParams(temperature=1.0, top_k=3)
-    pipe = SpeculativePipeline(
-        FullVerifier(lm), RejectionAcceptor(), drafter=ModelDrafter(draft_lm, k=2)
-    )
+    drafter = ModelDrafter(draft_lm, k=2, vocab_subset=vocab_subset)
+    pipe = SpeculativePipeline(FullVerifier(lm), RejectionAcceptor(), drafter=drafter)
     prompt = [1, 5, 9]
     # Exact law of (t1, t2) under the warped target.
     from specflow.models.session import ModelSession

@@ -321,11 +321,15 @@ class NativeLM:
 
         Runs under ``no_grad`` (not inference mode) so callers may edit the logits in place.
         """
+        return F.linear(self.head_input(hidden, exit_layer), self.lm_head).float()  # [T, V]
+
+    @torch.no_grad()
+    def head_input(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
+        """``h_exit [T, H] -> x [T, H]``, what the LM head multiplies: the exit's trained head
+        when one is attached, else the final norm.  ``head(h) = x @ lm_head.T``."""
         if not 1 <= exit_layer <= self.info.num_layers:
             raise ValueError(f"exit layer must be in 1..{self.info.num_layers}, got {exit_layer}")
         exit_head = self.exit_heads.get(exit_layer)
         if exit_head is not None:
-            x = exit_head(hidden)  # [T, H]
-        else:
-            x = F.rms_norm(hidden, (self.hidden_size,), self.final_norm, self.eps)  # [T, H]
-        return F.linear(x, self.lm_head).float()  # [T, V]
+            return exit_head(hidden)  # [T, H]
+        return F.rms_norm(hidden, (self.hidden_size,), self.final_norm, self.eps)  # [T, H]

@@ -164,14 +164,18 @@ class ModelSession:
 
         Row ``i`` is the distribution of the token at position ``start+i+1``.
         """
+        return self.model.head(self.exit_hidden(exit_layer, start, end), exit_layer)
+
+    def exit_hidden(self, exit_layer: int, start: int, end: int) -> torch.Tensor:
+        """Hidden states ``h_exit [end-start, H]`` for positions ``[start, end)`` (computing
+        what is missing), the input of the exit's head."""
         h, h_start = self.hidden(exit_layer, end)
         if start < h_start:
             raise RuntimeError(
                 f"positions from {start} at exit {exit_layer} were consumed by a deeper layer "
                 f"(kept from {h_start}); ask for them before running deeper"
             )
-        rows = h[start - h_start : end - h_start]
-        return self.model.head(rows, exit_layer)
+        return h[start - h_start : end - h_start]
 
     def prefill(self, exit_layer: int | None = None) -> None:
         """Compute every position but the last at layers ``< exit_layer`` (default: all)."""

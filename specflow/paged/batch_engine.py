@@ -210,6 +210,11 @@ class _Level:
             self.kind = "pipeline"
             self.inner = _Level(d, models)
         elif (found := _model_of(d, verifier=False)) is not None:
+            if getattr(d, "vocab_subset", None) is not None:
+                raise ConfigError(
+                    "batched decoding drafts over the full vocabulary: set "
+                    "drafter.vocab_subset=null, or runner.batch_size=1 to keep it"
+                )
             self.kind = "model"
             self.d_model = found
             models.register(found[0])

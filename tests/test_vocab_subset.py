@@ -1,0 +1,71 @@
+"""Drafting over a subset of the vocabulary (``drafter.vocab_subset``): same logits on the
+subset, greedy identity with the target kept, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specflow.drafting import SubVocabHead, draft_with_model
+from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
+from specflow.models.native import NativeLM
+from specflow.models.session import ModelSession
+from specflow.models.tiny import tiny_model_info
+from specflow.state import DecodeState
+from stages.exact_acceptor import ExactAcceptor
+from stages.full_verifier import FullVerifier
+from stages.model_drafter import ModelDrafter
+from tests.conftest import hf_greedy
+
+
+def test_subset_head_is_the_full_head_restricted(tiny_drafter):
+    _, lm = tiny_drafter
+    head = SubVocabHead.build(lm, 5, always=[40, 3, 40])
+    assert head.ids.tolist() == [0, 1, 2, 3, 4, 40]
+    session = ModelSession(lm, 16)
+    session.set_tokens([1, 5, 9, 17])
+    top = lm.info.num_layers
+    full = session.logits(top, 0, 4)  # [4, V]
+    sub = head.logits(lm, session.exit_hidden(top, 0, 4), top)  # [4, 6]
+    torch.testing.assert_close(sub, full[:, head.ids])
+    q = head.to_vocab(sub.softmax(-1))  # [4, V]
+    assert q.shape == full.shape
+    assert float(q[:, 5:40].abs().sum()) == 0.0
+    torch.testing.assert_close(q.sum(-1), torch.ones(4))
+
+
+def test_greedy_drafts_come_from_the_subset(tiny_drafter):
+    _, lm = tiny_drafter
+    state = DecodeState(tokens=[1, 5, 9], prompt_len=3, max_len=32)
+    head = SubVocabHead.build(lm, 4, always=[9])
+    draft = draft_with_model(state, lm, lm.info.num_layers, 6, subvocab=head)
+    assert len(draft.tokens) == 6 and set(draft.tokens) <= {0, 1, 2, 3, 9}
+
+
+@pytest.mark.parametrize("vocab_subset", [3, 16, 10_000])
+def test_sps_with_a_vocab_subset_equals_hf(tiny_target, tiny_drafter, vocab_subset):
+    hf, lm = tiny_target
+    _, draft_lm = tiny_drafter
+    prompt = [1, 5, 9, 17, 33, 5, 9]
+    drafter = ModelDrafter(draft_lm, k=4, vocab_subset=vocab_subset)
+    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
+    assert pipe.generate(prompt, 40).tokens == hf_greedy(hf, prompt, 40)
+
+
+def test_self_drafting_over_the_whole_vocabulary_accepts_everything(tiny_target):
+    """A subset covering the vocabulary changes nothing: the model drafting for itself
+    through the sliced head still has every draft accepted."""
+    hf, lm = tiny_target
+    copy = NativeLM.from_hf(hf, tiny_model_info(hf, "copy"))  # its own session
+    drafter = ModelDrafter(copy, k=4, vocab_subset=lm.info.vocab_size)
+    gen = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter).generate(
+        [1, 5, 9], 20
+    )
+    assert gen.stats.accepted == gen.stats.drafted
+
+
+def test_bad_vocab_subset_fails_clearly(tiny_drafter):
+    _, lm = tiny_drafter
+    with pytest.raises(ConfigError, match="drafter.vocab_subset must be >= 1 or null, got 0"):
+        ModelDrafter(lm, vocab_subset=0)
