@@ -13,6 +13,11 @@ For every request present in all of them the oracle takes the run with the highe
 over those requests, the best single run (the best *fixed* drafter for the whole
 workload), how often each run is the per-request best and, with ``--metasd``, the bandit
 run's tokens/s and its ratio to the oracle (1.0 = no regret).
+
+``--by speedup`` ranks by each request's side-by-side speedup instead (runs made with
+``runner.baseline_cache=false`` measure plain decoding right next to every request), and
+pools as ``sum(baseline_s) / sum(total_s)``: on a machine whose speed drifts between runs,
+absolute tokens/s of different runs are not comparable, their speedups are.
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ def _tokens_per_s(records: list[dict[str, Any]]) -> float:
     return tokens / seconds if seconds else 0.0
 
 
+def _speedup(records: list[dict[str, Any]]) -> float:
+    baseline = sum(r["metrics"]["baseline_s"] for r in records)
+    seconds = sum(r["metrics"]["total_s"] for r in records)
+    return baseline / seconds if seconds else 0.0
+
+
+POOLED = {"tokens_per_s": _tokens_per_s, "speedup": _speedup}
+
+
 def load_runs(run_dirs: list[str | Path]) -> dict[str, dict[str, dict[str, Any]]]:
     """``{run name: {request_id: record}}`` from each folder's ``requests.jsonl``."""
     runs: dict[str, dict[str, dict[str, Any]]] = {}
@@ -44,32 +58,41 @@ def load_runs(run_dirs: list[str | Path]) -> dict[str, dict[str, dict[str, Any]]
 
 
 def oracle_report(
-    runs: dict[str, dict[str, dict[str, Any]]], metasd: dict[str, dict[str, Any]] | None = None
+    runs: dict[str, dict[str, dict[str, Any]]],
+    metasd: dict[str, dict[str, Any]] | None = None,
+    by: str = "tokens_per_s",
 ) -> dict[str, Any]:
-    """The oracle over ``runs`` (see module doc), restricted to requests every run has."""
+    """The oracle over ``runs`` (see module doc), restricted to requests every run has.
+
+    ``by``: ``tokens_per_s`` or ``speedup``; the report's keys are named after it
+    (``oracle_<by>``, ``runs_<by>``, ``metasd_<by>``).
+    """
     if not runs:
         raise ValueError("the oracle needs at least one single-drafter run")
+    if by not in POOLED:
+        raise ValueError(f"by={by!r}: use one of {sorted(POOLED)}")
+    pooled = POOLED[by]
     common = set.intersection(*(set(recs) for recs in runs.values()))
     if metasd is not None:
         common &= set(metasd)
     ids = sorted(common)
     best: dict[str, str] = {}
     for rid in ids:
-        best[rid] = max(runs, key=lambda name: runs[name][rid]["metrics"]["tokens_per_s"])
-    per_run = {name: _tokens_per_s([recs[rid] for rid in ids]) for name, recs in runs.items()}
+        best[rid] = max(runs, key=lambda name: runs[name][rid]["metrics"][by])
+    per_run = {name: pooled([recs[rid] for rid in ids]) for name, recs in runs.items()}
     report: dict[str, Any] = {
         "num_requests": len(ids),
-        "oracle_tokens_per_s": _tokens_per_s([runs[best[rid]][rid] for rid in ids]),
-        "runs_tokens_per_s": per_run,
+        f"oracle_{by}": pooled([runs[best[rid]][rid] for rid in ids]),
+        f"runs_{by}": per_run,
         "best_single_run": max(per_run, key=per_run.__getitem__) if per_run else None,
         "oracle_choice_counts": {name: list(best.values()).count(name) for name in runs},
         "oracle_choice": best,
     }
     if metasd is not None:
-        tps = _tokens_per_s([metasd[rid] for rid in ids])
-        report["metasd_tokens_per_s"] = tps
-        oracle = report["oracle_tokens_per_s"]
-        report["metasd_vs_oracle"] = tps / oracle if oracle else None
+        value = pooled([metasd[rid] for rid in ids])
+        report[f"metasd_{by}"] = value
+        oracle = report[f"oracle_{by}"]
+        report["metasd_vs_oracle"] = value / oracle if oracle else None
     return report
 
 
@@ -77,11 +100,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders of single-drafter runs")
     parser.add_argument("--metasd", help="run folder of the bandit (pool) run to compare")
+    parser.add_argument(
+        "--by", choices=sorted(POOLED), default="tokens_per_s",
+        help="rank and pool by tokens/s, or by side-by-side speedup over plain decoding",
+    )
     args = parser.parse_args(argv)
     metasd = None
     if args.metasd:
         metasd = next(iter(load_runs([args.metasd]).values()))
-    report = oracle_report(load_runs(args.runs), metasd)
+    report = oracle_report(load_runs(args.runs), metasd, by=args.by)
     report.pop("oracle_choice")
     print(json.dumps(report, indent=2))
 

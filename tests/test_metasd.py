@@ -267,10 +267,16 @@ def test_pool_metrics_for_the_runner(deep_target, tiny_drafter):
 
 
 # ---------------------------------------------------------------- oracle
-def record(rid: str, tokens: int, seconds: float) -> dict:
+def record(rid: str, tokens: int, seconds: float, baseline_s: float = 3.0) -> dict:
     return {
         "request_id": rid,
-        "metrics": {"new_tokens": tokens, "total_s": seconds, "tokens_per_s": tokens / seconds},
+        "metrics": {
+            "new_tokens": tokens,
+            "total_s": seconds,
+            "tokens_per_s": tokens / seconds,
+            "baseline_s": baseline_s,
+            "speedup": baseline_s / seconds,
+        },
     }
 
 
@@ -289,3 +295,23 @@ def test_oracle_picks_the_best_drafter_per_request(tmp_path):
     folder.mkdir()
     (folder / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in runs["pld"].values()))
     assert set(load_runs([folder])[str(folder)]) == {"a", "b"}
+
+
+def test_oracle_by_side_by_side_speedup():
+    """Run "sps" ran on a slow machine (baselines 2x longer): by tokens/s it loses request a,
+    by speedup it wins it."""
+    runs = {
+        "pld": {"a": record("a", 100, 1.0, baseline_s=2.0), "b": record("b", 100, 4.0, 2.0)},
+        "sps": {"a": record("a", 100, 1.5, baseline_s=4.0), "b": record("b", 100, 2.0, 4.0)},
+    }
+    metasd = {"a": record("a", 100, 1.0, 2.0), "b": record("b", 100, 2.0, 2.0)}
+    assert oracle_report(runs)["oracle_choice"] == {"a": "pld", "b": "sps"}
+    rep = oracle_report(runs, metasd, by="speedup")
+    assert rep["oracle_choice"] == {"a": "sps", "b": "sps"}
+    assert rep["oracle_speedup"] == pytest.approx(8.0 / 3.5)
+    assert rep["runs_speedup"] == {"pld": pytest.approx(4.0 / 5.0), "sps": pytest.approx(8.0 / 3.5)}
+    assert rep["metasd_speedup"] == pytest.approx(4.0 / 3.0)
+    assert rep["metasd_vs_oracle"] == pytest.approx((4.0 / 3.0) / (8.0 / 3.5))
+    with pytest.raises(ValueError, match="by='x'"):
+        oracle_report(runs, by="x")
+

@@ -131,22 +131,33 @@ class ModelSession:
             if layer == 0:
                 inp = self.model.embed(torch.tensor(self.tokens[done:end], dtype=torch.long))
             else:
-                # kept[layer] covers [done, computed(layer-1)) and computed(layer-1) >= end.
-                kept = self.kept[layer]
-                assert kept is not None and kept.shape[0] >= end - done, (layer, done, end)
-                inp = kept[: end - done]
-                self.kept[layer] = kept[end - done :] if kept.shape[0] > end - done else None
-            out = self.model.run_layer(layer, inp, self.caches[layer])  # [end-done, H]
-            self.layer_evals += end - done
-            if layer + 1 < n_layers:
-                prev = self.kept[layer + 1]
-                self.kept[layer + 1] = out if prev is None else torch.cat([prev, out], dim=0)
-            elif self.final_hidden is not None and (
-                self.final_start + len(self.final_hidden) == done
-            ):
-                self.final_hidden = torch.cat([self.final_hidden, out], dim=0)  # contiguous block
-            else:
-                self.final_hidden, self.final_start = out, done
+                inp = self._take_kept(layer, done, end)
+            self._store(layer, done, self.model.run_layer(layer, inp, self.caches[layer]))
+        return self._result(exit_layer)
+
+    # The steps of `hidden`'s layer loop (also driven, batched, by specflow.paged).
+    def _take_kept(self, layer: int, done: int, end: int) -> torch.Tensor:
+        """Input rows of ``layer`` for positions ``[done, end)``, consumed from ``kept``
+        (``kept[layer]`` covers ``[done, computed(layer-1))`` and ``computed(layer-1) >= end``)."""
+        kept = self.kept[layer]
+        assert kept is not None and kept.shape[0] >= end - done, (layer, done, end)
+        self.kept[layer] = kept[end - done :] if kept.shape[0] > end - done else None
+        return kept[: end - done]
+
+    def _store(self, layer: int, done: int, out: torch.Tensor) -> None:
+        """Keep ``layer``'s output rows ``out [rows, H]`` for positions ``[done, done+rows)``."""
+        self.layer_evals += out.shape[0]
+        if layer + 1 < self.num_layers:
+            prev = self.kept[layer + 1]
+            self.kept[layer + 1] = out if prev is None else torch.cat([prev, out], dim=0)
+        elif self.final_hidden is not None and self.final_start + len(self.final_hidden) == done:
+            self.final_hidden = torch.cat([self.final_hidden, out], dim=0)  # contiguous block
+        else:
+            self.final_hidden, self.final_start = out, done
+
+    def _result(self, exit_layer: int) -> tuple[torch.Tensor, int]:
+        """``(h, start)`` of ``hidden`` once the layers below ``exit_layer`` are computed."""
+        n_layers = self.num_layers
         if exit_layer == n_layers:
             if self.final_hidden is None:
                 return self._empty(), self.computed(n_layers - 1)

@@ -292,36 +292,6 @@ class PagedSession(ModelSession):
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, self.model.info.hidden_size, device=self.model.device)
 
-    # The two halves of one step of ModelSession.hidden's layer loop.
-    def _take_kept(self, layer: int, done: int, end: int) -> torch.Tensor:
-        """Input rows of ``layer`` for positions ``[done, end)`` (consumed from ``kept``)."""
-        kept = self.kept[layer]
-        assert kept is not None and kept.shape[0] >= end - done, (layer, done, end)
-        self.kept[layer] = kept[end - done :] if kept.shape[0] > end - done else None
-        return kept[: end - done]
-
-    def _store(self, layer: int, done: int, out: torch.Tensor) -> None:
-        """Keep ``layer``'s output rows for positions ``[done, done + rows)``."""
-        self.layer_evals += out.shape[0]
-        if layer + 1 < self.num_layers:
-            prev = self.kept[layer + 1]
-            self.kept[layer + 1] = out if prev is None else torch.cat([prev, out], dim=0)
-        elif self.final_hidden is not None and self.final_start + len(self.final_hidden) == done:
-            self.final_hidden = torch.cat([self.final_hidden, out], dim=0)
-        else:
-            self.final_hidden, self.final_start = out, done
-
-    def _result(self, exit_layer: int) -> tuple[torch.Tensor, int]:
-        n_layers = self.num_layers
-        if exit_layer == n_layers:
-            if self.final_hidden is None:
-                return self._empty(), self.computed(n_layers - 1)
-            return self.final_hidden, self.final_start
-        kept = self.kept[exit_layer]
-        if kept is None:
-            return self._empty(), self.computed(exit_layer)
-        return kept, self.computed(exit_layer)
-
     def hidden(self, exit_layer: int, end: int) -> tuple[torch.Tensor, int]:
         """``ModelSession.hidden`` as a batch of one."""
         return batched_hidden([(self, exit_layer, end)])[0]
