@@ -3,8 +3,8 @@
 # (HiSpec / self-spec), in one sequential go on a quiet machine (~1 h 30 min on 2 CPU
 # cores).  Qwen2.5-Coder-1.5B target everywhere; greedy; every run also measures (or reuses
 # from the baseline cache) plain decoding of the same requests on this machine.
-#   bash scripts/bench_issues.sh [w1] [metasd] [fly] [hispec] [vocab]   (default: w1 fly hispec vocab;
-#   w1 includes metasd)
+#   bash scripts/bench_issues.sh [w1] [pld9] [sps9] [metasd] [fly] [hispec] [vocab]
+#   (default: w1 fly hispec vocab; w1 = pld9 sps9 metasd)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -21,9 +21,13 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 NC="runner.baseline_cache=false"
 # W1: every Spec-Bench category, 1 request each, first turn, 64 new tokens.
 W1="model=qwen2.5-coder-1.5b workload.per_category=1 workload.max_turns=1 runner.max_new_tokens=64 $NC"
-if has w1; then
-  step "#9: pld / sps, fixed vs adaptive draft length"
-  run -m +experiment=pld,sps draft_length=fixed,adaptive $W1 hydra.sweep.dir="$OUT/w1_adaptive"
+if has w1 || has pld9; then
+  step "#9: pld, fixed vs adaptive draft length"
+  run -m +experiment=pld draft_length=fixed,adaptive $W1 hydra.sweep.dir="$OUT/w1_pld"
+fi
+if has w1 || has sps9; then
+  step "#9: sps, fixed vs adaptive draft length"
+  run -m +experiment=sps draft_length=fixed,adaptive $W1 hydra.sweep.dir="$OUT/w1_sps"
 fi
 if has w1 || has metasd; then
   step "#6: MetaSD, block divergence (bd) and block efficiency (be)"
@@ -31,7 +35,7 @@ if has w1 || has metasd; then
   step "#6: the pool's other arms alone (arm 0 = pld fixed, arm 1 = sps fixed above)"
   run -m +experiment=metasd selector=fixed selector.arm=2,3 $W1 hydra.sweep.dir="$OUT/w1_arms"
   for m in 0 1; do  # sweep job folders are <job number>_<overrides>
-    $PY -m specflow.oracle "$OUT"/w1_adaptive/0_* "$OUT"/w1_adaptive/2_* "$OUT"/w1_arms/0_* \
+    $PY -m specflow.oracle "$OUT"/w1_pld/0_* "$OUT"/w1_sps/0_* "$OUT"/w1_arms/0_* \
       "$OUT"/w1_arms/1_* --metasd "$OUT"/w1_metasd/${m}_* --by speedup \
       | tee "$OUT/w1_oracle_$m.txt"
   done

@@ -19,7 +19,9 @@ optimistically (alpha + ``optimism`` standard errors).  A new request inherits t
 previous request's times and, shrunk to ``prior_strength`` positions, its acceptance
 evidence: short answers would otherwise be over before the model has learned anything.
 After ``probe_every`` plain rounds in a row it drafts one token to re-measure a skipped
-drafter (cost: ~1/probe_every of a token).
+drafter (cost: ~1/probe_every of a token).  Each request runs one plain round early (its
+second round, or its first when timings are inherited) so that t1 is measured, not derived:
+from drafting rounds alone t1 and beta cannot be told apart, and t1 grows with the context.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class CostModel:
     t1: float | None = None  # seconds of a one-token target pass (EMA)
     beta: float = 0.1  # marginal cost of an extra verified token, relative to t1
     plain_streak: int = 0  # consecutive rounds without drafting
+    t1_measured: bool = False  # a plain round of this request has measured t1
 
     def alpha(self, optimism: float) -> float:
         mean = (self.accepted + 1.0) / (self.tried + 2.0)
@@ -150,6 +153,10 @@ class AdaptiveDraftLength:
         m = self._model(state)
         if m.t1 is None or m.t_draft is None:
             return k_max  # measure a drafting round first (t1 comes from k = 0 or is derived)
+        if not m.t1_measured:
+            # One plain round per request measures t1 itself: derived from drafting rounds
+            # alone, t1 and beta are confounded (and t1 grows with the context length).
+            return 0
         if m.plain_streak >= self.probe_every:
             return 1  # re-probe a skipped drafter: it may have become useful (drift)
         alpha = m.alpha(self.optimism)
@@ -172,7 +179,8 @@ class AdaptiveDraftLength:
             return new if old is None else (1 - w) * old + w * new
 
         if drafted == 0:  # a plain round measures t1
-            m.t1 = smooth(m.t1, verify_s)
+            m.t1 = verify_s if not m.t1_measured else smooth(m.t1, verify_s)
+            m.t1_measured = True
             m.plain_streak += 1
             return
         m.plain_streak = 0

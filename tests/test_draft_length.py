@@ -71,11 +71,11 @@ def test_adaptive_pipeline_keeps_greedy_identity(tiny_target, mode):
     gen = pipe.generate(prompt, 60)
     assert gen.tokens == truth
     assert len(gen.stats.chosen_k) == gen.stats.rounds
-    if mode == "always":  # every round drafts the most it may: min(k, tokens left - 1)
+    if mode == "always":  # every round drafts the most it may: min(k, tokens left - 1) ...
         generated = 0
-        for chosen in gen.stats.chosen_k:
-            assert chosen == min(6, len(truth) - generated - 1)
-            generated += chosen + 1
+        for i, chosen in enumerate(gen.stats.chosen_k):
+            assert chosen == (0 if i == 1 else min(6, len(truth) - generated - 1))
+            generated += chosen + 1  # ... but round 2, one plain round that measures t1
     if mode == "never":
         assert gen.stats.chosen_k.count(0) > gen.stats.rounds // 2
 
@@ -86,10 +86,14 @@ def test_a_new_request_inherits_the_previous_evidence():
     simulate(policy, accept_all=False, rounds=40)
     state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
     policy.begin(state)
-    assert policy.choose(state, 8) == 0
+    assert policy.choose(state, 8) == 0  # the plain round measuring t1 ...
+    policy.observe(state, 0, 0, 0.0, T1)
+    assert policy.choose(state, 8) == 0  # ... and the evidence says: don't draft
     fresh = AdaptiveDraftLength(prior_strength=0.0)
     simulate(fresh, accept_all=False, rounds=40)
     fresh.begin(state)
+    assert fresh.choose(state, 8) == 0  # each request first measures t1 in a plain round
+    fresh.observe(state, 0, 0, 0.0, T1)
     assert fresh.choose(state, 8) > 0  # Beta(1, 1): optimistic again
 
 
@@ -153,3 +157,19 @@ def test_model_drafter_reports_its_catch_up(tiny_target):
     state.tokens += draft.tokens[:1]
     again = draft_with_model(state, lm, lm.info.num_layers, 2)
     assert again.catchup_s < draft.catchup_s
+
+
+def test_each_request_measures_t1_in_one_plain_round():
+    """t1 is measured (a plain round early in every request), not derived from drafting
+    rounds with a guessed beta: a drafter costing 0.5 t1 per token with beta = 0.5 and
+    alpha = 0.5 loses to plain decoding, and the policy sees it."""
+    policy = AdaptiveDraftLength(optimism=0.0)
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    assert policy.choose(state, 4) == 4  # first: measure drafting
+    policy.observe(state, 4, 1, 4 * 0.5 * T1, T1 * (1 + 0.5 * 4))
+    assert policy.choose(state, 4) == 0  # then: measure t1
+    policy.observe(state, 0, 0, 0.0, T1)
+    model = state.scratch[id(policy)]
+    assert model.t1 == T1 and model.t1_measured
+    assert policy.choose(state, 4) == 0  # E[tokens|k] / cost < 1 / t1 for every k
