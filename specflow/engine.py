@@ -185,7 +185,9 @@ class SpeculativePipeline:
             # The drafter's catch-up (lazy prefill, tokens committed while it sat idle) is
             # not a per-token drafting cost: leave it out of the policy's t_draft.
             draft_s = max(0.0, t1 - t0 - draft.catchup_s)
-            self.draft_length.observe(state, draft.k, accepted, draft_s, t2 - t1)
+            self.draft_length.observe(
+                state, draft.k, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
+            )
         stats.record_round(self.level, draft.k, accepted)
         new = draft.tokens[:accepted] + [verdict.next_token]
         state.tokens.extend(new)

@@ -102,6 +102,13 @@ class DraftLengthPolicy(Protocol):
         """A draft length in ``0..k_max``."""
 
     def observe(
-        self, state: DecodeState, drafted: int, accepted: int, draft_s: float, verify_s: float
+        self,
+        state: DecodeState,
+        drafted: int,
+        accepted: int,
+        draft_s: float,
+        verify_s: float,
+        catchup_s: float = 0.0,
     ) -> None:
-        """What the round did: tokens drafted and accepted, seconds drafting and verifying."""
+        """What the round did: tokens drafted and accepted, seconds drafting (without the
+        drafter's catch-up) and verifying, and seconds the drafter spent catching up."""

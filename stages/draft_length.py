@@ -43,7 +43,13 @@ class FixedDraftLength:
         return k_max
 
     def observe(
-        self, state: DecodeState, drafted: int, accepted: int, draft_s: float, verify_s: float
+        self,
+        state: DecodeState,
+        drafted: int,
+        accepted: int,
+        draft_s: float,
+        verify_s: float,
+        catchup_s: float = 0.0,
     ) -> None:
         pass
 
@@ -63,7 +69,13 @@ class HeuristicDraftLength:
         return min(int(state.scratch.get(id(self), self.initial)), k_max)
 
     def observe(
-        self, state: DecodeState, drafted: int, accepted: int, draft_s: float, verify_s: float
+        self,
+        state: DecodeState,
+        drafted: int,
+        accepted: int,
+        draft_s: float,
+        verify_s: float,
+        catchup_s: float = 0.0,
     ) -> None:
         if drafted == 0:
             return
@@ -82,6 +94,8 @@ class CostModel:
     beta: float = 0.1  # marginal cost of an extra verified token, relative to t1
     plain_streak: int = 0  # consecutive rounds without drafting
     t1_measured: bool = False  # a plain round of this request has measured t1
+    t_catchup: float | None = None  # seconds per position of a drafter catch-up (EMA)
+    synced_at: int | None = None  # sequence length at this request's last drafting round
 
     def alpha(self, optimism: float) -> float:
         mean = (self.accepted + 1.0) / (self.tried + 2.0)
@@ -105,6 +119,9 @@ class AdaptiveDraftLength:
         probe_every: after this many plain rounds in a row, draft one token to re-measure.
         prior_strength: how many draft positions of evidence a new request inherits from
             the previous ones (0: every request starts from the Beta(1, 1) prior).
+        probe_budget: a re-probe is skipped while the drafter's catch-up (its prefill, or the
+            tokens committed while it sat idle) would cost more than this fraction of the
+            request's remaining time at plain-decoding speed.
     """
 
     def __init__(
@@ -115,6 +132,7 @@ class AdaptiveDraftLength:
         ema: float = 0.3,
         probe_every: int = 16,
         prior_strength: float = 8.0,
+        probe_budget: float = 0.05,
     ) -> None:
         if not 0.0 < discount <= 1.0:
             raise ConfigError(f"draft_length.discount must be in (0, 1], got {discount}")
@@ -124,6 +142,7 @@ class AdaptiveDraftLength:
         self.ema = ema
         self.probe_every = probe_every
         self.prior_strength = prior_strength
+        self.probe_budget = probe_budget
         self._last: CostModel | None = None  # the latest request's model (prior of the next)
 
     def begin(self, state: DecodeState) -> None:
@@ -140,6 +159,7 @@ class AdaptiveDraftLength:
             t_draft=prev.t_draft,
             t1=prev.t1,
             beta=prev.beta,
+            t_catchup=prev.t_catchup,
         )
 
     def _model(self, state: DecodeState) -> CostModel:
@@ -157,8 +177,12 @@ class AdaptiveDraftLength:
             # One plain round per request measures t1 itself: derived from drafting rounds
             # alone, t1 and beta are confounded (and t1 grows with the context length).
             return 0
+        catchup = self._catchup_cost(state, m)
+        remaining = max(0, state.max_len - 1 - len(state.tokens))  # tokens still allowed
         if m.plain_streak >= self.probe_every:
-            return 1  # re-probe a skipped drafter: it may have become useful (drift)
+            # Re-probe a skipped drafter (it may have become useful), unless bringing it up
+            # to date would cost more than `probe_budget` of what is left to decode.
+            return 1 if catchup <= self.probe_budget * remaining * m.t1 else 0
         alpha = m.alpha(self.optimism)
         best_k, best_rate = 0, 1.0 / m.t1
         for k in range(1, k_max + 1):
@@ -166,10 +190,29 @@ class AdaptiveDraftLength:
             rate = expected_tokens(alpha, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        if best_k and catchup > remaining * (m.t1 - 1.0 / best_rate):
+            return 0  # drafting would pay per token, but not back the drafter's catch-up
         return best_k
 
+    @staticmethod
+    def _catchup_cost(state: DecodeState, m: CostModel) -> float:
+        """Expected seconds to bring the drafter up to date before it can draft: the
+        positions committed since this request's last drafting round (all of them when it
+        has not drafted yet: its prefill) times the measured catch-up time per position.
+        Zero until a catch-up was measured (model-free drafters never need one)."""
+        if m.t_catchup is None:
+            return 0.0
+        behind = len(state.tokens) - (m.synced_at or 0)
+        return behind * m.t_catchup if behind > 1 else 0.0
+
     def observe(
-        self, state: DecodeState, drafted: int, accepted: int, draft_s: float, verify_s: float
+        self,
+        state: DecodeState,
+        drafted: int,
+        accepted: int,
+        draft_s: float,
+        verify_s: float,
+        catchup_s: float = 0.0,
     ) -> None:
         m = self._model(state)
         self._last = m
@@ -184,6 +227,10 @@ class AdaptiveDraftLength:
             m.plain_streak += 1
             return
         m.plain_streak = 0
+        behind = len(state.tokens) - (m.synced_at or 0)
+        if catchup_s > 0.0 and behind > 1:
+            m.t_catchup = smooth(m.t_catchup, catchup_s / behind)
+        m.synced_at = len(state.tokens)
         m.tried = self.discount * m.tried + min(accepted + 1, drafted)
         m.accepted = self.discount * m.accepted + accepted
         m.t_draft = smooth(m.t_draft, draft_s / drafted)

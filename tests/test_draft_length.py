@@ -109,7 +109,7 @@ class _RecordingPolicy:
     def choose(self, state: DecodeState, k_max: int) -> int:
         return k_max
 
-    def observe(self, state, drafted, accepted, draft_s, verify_s) -> None:
+    def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0) -> None:
         if drafted:  # rounds that drafted (the last round of a budget may not)
             self.draft_s.append(draft_s)
 
@@ -173,3 +173,49 @@ def test_each_request_measures_t1_in_one_plain_round():
     model = state.scratch[id(policy)]
     assert model.t1 == T1 and model.t1_measured
     assert policy.choose(state, 4) == 0  # E[tokens|k] / cost < 1 / t1 for every k
+
+
+def _policy_after_one_request(catchup_per_position: float) -> AdaptiveDraftLength:
+    """A policy whose first request measured: drafting pays (every draft accepted, cheap
+    draft steps), t1 = T1, and a drafter catch-up of ``catchup_per_position`` s/position."""
+    policy = AdaptiveDraftLength(optimism=0.0, prior_strength=8.0)
+    state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=400)
+    policy.begin(state)
+    policy.observe(state, 4, 4, 4 * 0.001, T1 * 1.4, catchup_s=100 * catchup_per_position)
+    policy.observe(state, 0, 0, 0.0, T1)  # t1 measured
+    return policy
+
+
+@pytest.mark.parametrize(
+    ("per_position", "max_new", "expected"),
+    [
+        (1e-4, 50, 4),  # catch-up 0.01 s: cheap next to 50 tokens of savings -> draft
+        (5e-3, 50, 0),  # catch-up 0.5 s > what drafting can save on 50 tokens -> stay plain
+        (5e-3, 2000, 4),  # ... but worth it over 2000 tokens
+    ],
+)
+def test_a_cold_drafter_drafts_only_when_its_catch_up_pays_back(per_position, max_new, expected):
+    policy = _policy_after_one_request(per_position)
+    state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=100 + max_new + 1)
+    policy.begin(state)
+    policy.observe(state, 0, 0, 0.0, T1)  # this request's t1 probe
+    assert policy.choose(state, 4) == expected
+
+
+def test_re_probes_are_skipped_while_the_catch_up_is_too_expensive():
+    """A useless model drafter: after `probe_every` plain rounds the policy re-probes only
+    if catching the drafter up costs at most `probe_budget` of the remaining time."""
+    for per_position, expect_probe in [(1e-5, True), (2e-2, False)]:
+        policy = AdaptiveDraftLength(probe_every=4)
+        state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=200)
+        policy.begin(state)
+        policy.observe(state, 4, 0, 4 * T1, T1 * 1.4, catchup_s=100 * per_position)
+        ks = []
+        for _ in range(30):
+            k = policy.choose(state, 4)
+            ks.append(k)
+            policy.observe(state, k, 0, T1 * k, T1 * (1 + 0.1 * k))
+            state.tokens.append(0)
+        # behind by >= 4 positions since the last draft: 2e-2 s/position * 4 = 0.08 s > 5 %
+        # of the remaining <= 95 tokens * 10 ms; 1e-5 s/position is always cheap enough
+        assert (1 in ks) == expect_probe, ks
