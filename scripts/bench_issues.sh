@@ -3,7 +3,7 @@
 # (HiSpec / self-spec), in one sequential go on a quiet machine (~1 h 30 min on 2 CPU
 # cores).  Qwen2.5-Coder-1.5B target everywhere; greedy; every run also measures (or reuses
 # from the baseline cache) plain decoding of the same requests on this machine.
-#   bash scripts/bench_issues.sh [w1] [pld9] [sps9] [metasd] [fly] [hispec] [vocab]
+#   bash scripts/bench_issues.sh [w1] [pld9] [sps9] [metasd] [fly] [hispec] [vocab] [control]
 #   (default: w1 fly hispec vocab; w1 = pld9 sps9 metasd)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +67,10 @@ if has vocab; then
   step "#9: sps drafting over a 32k-token vocabulary subset (W1)"
   run -m +experiment=sps drafter.vocab_subset=32768 $W1 \
     hydra.sweep.dir="$OUT/w1_sps_vocab"
+fi
+if has control; then
+  step "noise control: plain decoding measured against itself (ar vs its own baseline)"
+  run +experiment=ar $W1 hydra.run.dir="$OUT/w1_control/0_ar"
 fi
 if has w1 || has metasd || has vocab; then
   $PY -m specflow.compare "$OUT"/w1_*/*/ | tee "$OUT/w1_compare.txt"
