@@ -2,7 +2,9 @@
 
 Each round the pool asks ``select()`` for an arm (a drafter), and after verification
 reports ``update(arm, reward)`` with a reward in [0, 1] (see ``stages.pool_drafter``).
-``begin(num_arms)`` starts a request: all statistics are reset (MetaSD resets per request).
+``begin(num_arms)`` starts a request: all statistics are reset (MetaSD resets per request),
+unless ``reset=False``: then what earlier requests taught carries over, and the exploration
+of the first rounds is paid once per run instead of once per request (short requests).
 
 **UCB1** (Auer, Cesa-Bianchi & Fischer 2002).  Every arm is tried once (in order), then
 round t picks
@@ -57,24 +59,29 @@ class UCBSelector:
         c: exploration scale (1.0 = UCB1; 0 = greedy after one pull of each arm).
         gamma: discount per round in (0, 1]; 1 = UCB1, about 1 - 1/(rounds remembered)
             otherwise (0.95: ~20).
+        reset: forget everything at each request (MetaSD); False keeps the statistics
+            across the requests of a run.
 
     Attributes:
         counts: (discounted) pulls per arm in this request (n_i / N_i).
         sums: (discounted) summed rewards per arm in this request.
     """
 
-    def __init__(self, c: float = 1.0, gamma: float = 1.0) -> None:
+    def __init__(self, c: float = 1.0, gamma: float = 1.0, reset: bool = True) -> None:
         if c < 0:
             raise ConfigError(f"selector.c must be >= 0, got {c}")
         if not 0.0 < gamma <= 1.0:
             raise ConfigError(f"selector.gamma must be in (0, 1], got {gamma}")
         self.c = c
         self.gamma = gamma
+        self.reset = reset
         self.counts: list[float] = []
         self.sums: list[float] = []
 
     def begin(self, num_arms: int) -> None:
         _check_arms(num_arms)
+        if not self.reset and len(self.counts) == num_arms:
+            return  # carry the run's statistics over
         self.counts = [0.0] * num_arms
         self.sums = [0.0] * num_arms
 
@@ -89,6 +96,8 @@ class UCBSelector:
         self.sums[arm] += reward
 
 
-def DiscountedUCBSelector(gamma: float = 0.95, c: float = 1.0) -> UCBSelector:  # noqa: N802
+def DiscountedUCBSelector(  # noqa: N802
+    gamma: float = 0.95, c: float = 1.0, reset: bool = True
+) -> UCBSelector:
     """Selector ``discounted_ucb``: ``UCBSelector`` with a discount (drift within a request)."""
-    return UCBSelector(c=c, gamma=gamma)
+    return UCBSelector(c=c, gamma=gamma, reset=reset)

@@ -115,6 +115,17 @@ def test_selectors_reset_per_request():
         assert sel.select() == 0
 
 
+def test_selector_without_reset_carries_the_run_over():
+    sel = UCBSelector(reset=False)
+    run_bandit(sel, [0.1, 0.9], 50)
+    counts, sums = list(sel.counts), list(sel.sums)
+    sel.begin(2)
+    assert sel.counts == counts and sel.sums == sums and sum(counts) == 50
+    assert sel.select() == 1  # the better arm straight away, no re-exploration
+    sel.begin(3)  # another pool: nothing to carry over
+    assert sel.counts == [0.0, 0.0, 0.0]
+
+
 # ---------------------------------------------------------------- rewards
 P = torch.tensor(
     [[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]]
