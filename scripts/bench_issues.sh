@@ -3,7 +3,8 @@
 # (HiSpec / self-spec), in one sequential go on a quiet machine (~1 h 30 min on 2 CPU
 # cores).  Qwen2.5-Coder-1.5B target everywhere; greedy; every run also measures (or reuses
 # from the baseline cache) plain decoding of the same requests on this machine.
-#   bash scripts/bench_issues.sh [w1] [pld9] [sps9] [metasd] [fly] [hispec] [vocab] [control]
+#   bash scripts/bench_issues.sh [w1] [pld9] [sps9] [metasd] [metasd_bd] [metasd_run] [fly]
+#                                [hispec] [vocab] [control]
 #   (default: w1 fly hispec vocab; w1 = pld9 sps9 metasd)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +68,15 @@ if has vocab; then
   step "#9: sps drafting over a 32k-token vocabulary subset (W1)"
   run -m +experiment=sps drafter.vocab_subset=32768 $W1 \
     hydra.sweep.dir="$OUT/w1_sps_vocab"
+fi
+if has metasd_bd; then
+  step "#6: MetaSD (bd) alone"
+  run -m +experiment=metasd $W1 hydra.sweep.dir="$OUT/w1_metasd_bd"
+fi
+if has metasd_run; then
+  step "#6: MetaSD (bd) keeping the bandit across requests, smaller exploration (c=0.3)"
+  run -m +experiment=metasd selector.reset=false selector.c=0.3 $W1 \
+    hydra.sweep.dir="$OUT/w1_metasd_run"
 fi
 if has control; then
   step "noise control: plain decoding measured against itself (ar vs its own baseline)"
