@@ -42,15 +42,19 @@ if has w1 || has metasd; then
   done
 fi
 
-# FLy: GSM8K-style math (Spec-Bench math_reasoning) and HumanEval, k = 6 for every method.
-F="model=qwen2.5-coder-1.5b drafter.k=6 runner.max_new_tokens=160 $NC"
+# FLy: GSM8K-style math (Spec-Bench math_reasoning) and HumanEval, k = 6 for every method
+# (fly / fly_mla set k = 6; sps gets drafter.k=6 in its own run: a multirun cannot override
+# a key that the primary config's drafter lacks).
+F="model=qwen2.5-coder-1.5b runner.max_new_tokens=160 $NC"
+MATH=("workload.categories=[math_reasoning]" "workload.per_category=3")  # quoted: [] globs
+CODE=("workload=humaneval" "workload.limit=3")
 if has fly; then
   step "#3: sps vs fly vs fly_mla on math_reasoning"
-  run -m +experiment=sps,fly,fly_mla $F workload.categories=[math_reasoning] \
-    workload.per_category=3 hydra.sweep.dir="$OUT/fly_math"
+  run -m +experiment=fly,fly_mla $F "${MATH[@]}" hydra.sweep.dir="$OUT/fly_math"
+  run +experiment=sps drafter.k=6 $F "${MATH[@]}" hydra.run.dir="$OUT/fly_math/2_sps"
   step "#3: sps vs fly vs fly_mla on HumanEval"
-  run -m +experiment=sps,fly,fly_mla $F workload=humaneval workload.limit=3 \
-    hydra.sweep.dir="$OUT/fly_code"
+  run -m +experiment=fly,fly_mla $F "${CODE[@]}" hydra.sweep.dir="$OUT/fly_code"
+  run +experiment=sps drafter.k=6 $F "${CODE[@]}" hydra.run.dir="$OUT/fly_code/2_sps"
   $PY -m specflow.compare "$OUT"/fly_math/*/ | tee "$OUT/fly_math_compare.txt"
   $PY -m specflow.compare "$OUT"/fly_code/*/ | tee "$OUT/fly_code_compare.txt"
 fi
