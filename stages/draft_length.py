@@ -22,6 +22,11 @@ After ``probe_every`` plain rounds in a row it drafts one token to re-measure a 
 drafter (cost: ~1/probe_every of a token).  Each request runs one plain round early (its
 second round, or its first when timings are inherited) so that t1 is measured, not derived:
 from drafting rounds alone t1 and beta cannot be told apart, and t1 grows with the context.
+A model drafter that is behind (its lazy prefill, tokens committed while it sat idle) must
+catch up before it drafts; that one-off cost (measured seconds per position x positions
+behind) is charged against drafting: the policy resumes only when the expected saving over
+the tokens still allowed pays it back, and skips re-probes costing more than
+``probe_budget`` of the remaining time.
 """
 
 from __future__ import annotations
