@@ -4,7 +4,7 @@
 # cores).  Qwen2.5-Coder-1.5B target everywhere; greedy; every run also measures (or reuses
 # from the baseline cache) plain decoding of the same requests on this machine.
 #   bash scripts/bench_issues.sh [w1] [pld9] [sps9] [metasd] [metasd_bd] [metasd_run] [fly]
-#                                [hispec] [vocab] [control]
+#                                [fly_long] [hispec] [vocab] [control]
 #   (default: w1 fly hispec vocab; w1 = pld9 sps9 metasd)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,13 @@ if has fly; then
   run +experiment=sps drafter.k=6 $F "${CODE[@]}" hydra.run.dir="$OUT/fly_code/2_sps"
   $PY -m specflow.compare "$OUT"/fly_math/*/ | tee "$OUT/fly_math_compare.txt"
   $PY -m specflow.compare "$OUT"/fly_code/*/ | tee "$OUT/fly_code_compare.txt"
+fi
+
+# GSM8K answers need ~200-300 tokens to reach the final number: FLy vs plain decoding only.
+if has fly_long; then
+  step "#3: fly vs plain decoding on math_reasoning, 320 new tokens"
+  run +experiment=fly model=qwen2.5-coder-1.5b runner.max_new_tokens=320 $NC "${MATH[@]}" \
+    hydra.run.dir="$OUT/fly_math_long/0_fly"
 fi
 
 # HiSpec vs self-spec (same L_d = 4) vs sps on the exit heads' held-out prompts.
