@@ -34,6 +34,15 @@ class SubVocabHead:
     weight: torch.Tensor
     vocab_size: int
 
+    @staticmethod
+    def check_supported(lm: LayeredLM) -> None:
+        """Raise ``ConfigError`` unless ``lm`` exposes an LM head to slice (native backend)."""
+        if getattr(lm, "lm_head", None) is None or not hasattr(lm, "head_input"):
+            raise ConfigError(
+                f"drafter.vocab_subset needs the native backend (an LM head it can slice); "
+                f"{lm.info.name} runs on another backend: set drafter.vocab_subset=null"
+            )
+
     @classmethod
     def build(cls, lm: LayeredLM, top_ids: int, always: list[int]) -> SubVocabHead:
         """Keep ids ``0..top_ids-1`` plus ``always`` (e.g. the prompt's tokens and EOS).
@@ -42,12 +51,8 @@ class SubVocabHead:
         order, so low ids are the frequent ones: ids < 32768 cover about 95 % of the tokens
         the Qwen2.5 and SmolLM2 models here generate on Spec-Bench.
         """
-        weight = getattr(lm, "lm_head", None)
-        if weight is None or not hasattr(lm, "head_input"):
-            raise ConfigError(
-                f"drafter.vocab_subset needs the native backend (an LM head it can slice); "
-                f"{lm.info.name} runs on another backend: set drafter.vocab_subset=null"
-            )
+        cls.check_supported(lm)
+        weight = lm.lm_head  # type: ignore[attr-defined]  # [V, H]
         vocab = lm.info.vocab_size
         extra = torch.tensor([t for t in always if 0 <= t < vocab], dtype=torch.long)
         ids = torch.cat([torch.arange(min(top_ids, vocab)), extra]).unique()  # sorted

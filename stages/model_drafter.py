@@ -62,11 +62,7 @@ class ModelDrafter:
         if vocab_subset is not None:
             if vocab_subset < 1:
                 raise ConfigError(f"drafter.vocab_subset must be >= 1 or null, got {vocab_subset}")
-            if not hasattr(self.lm, "head_input") or getattr(self.lm, "lm_head", None) is None:
-                raise ConfigError(
-                    f"drafter.vocab_subset needs the native backend (an LM head it can slice); "
-                    f"{self.lm.info.name} runs on another: set drafter.vocab_subset=null"
-                )
+            SubVocabHead.check_supported(self.lm)  # fail at build time, not mid-run
         self.vocab_subset = vocab_subset
 
     def models(self) -> list[ModelInfo]:
