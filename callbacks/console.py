@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from callbacks.metrics import flatten_by_category, flatten_summary, stage_names
+from specflow.metrics import flatten_by_category, flatten_summary, stage_names
 from specflow.results import format_table
 
 

@@ -9,8 +9,8 @@
   chose, per round): per category, each request's arm over its rounds, and each arm's
   share of the category's requests at every round index.
 
-Each ``plot_*`` function is usable alone (``specflow.compare`` and the wandb logger use
-them); ``make_plots`` draws every figure that has data and returns the written paths.
+Each ``plot_*`` function is usable alone (the wandb logger uses them); ``make_plots``
+draws every figure that has data and returns the written paths.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from callbacks.metrics import flatten_by_category, flatten_summary, stage_names
+from specflow.metrics import flatten_by_category, flatten_summary, stage_names
 from specflow.results import REQUESTS_FILE, read_records
 
 PLOT_FILES = ("speedup_by_category.png", "tau_hist.png", "time_per_stage.png", "arm_choices.png")

@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from callbacks.csv_logger import write_csv
-from callbacks.metrics import KEY_METRICS, flatten_summary
+from specflow.metrics import KEY_METRICS, flatten_summary
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def objective(
     """The value a sweeper optimises: ``metric`` of the run, gated by an accuracy floor.
 
     With ``accuracy_floor`` set, a run whose ``quality/accuracy_ratio`` (task score over plain
-    decoding's, see ``callbacks.metrics``) is below the floor scores 0.0; a run without task
+    decoding's, see ``specflow.metrics``) is below the floor scores 0.0; a run without task
     scores is not gated.  ``None`` when the metric is missing (e.g. no baseline).
     """
     flat = flatten_summary(summary)

@@ -5,8 +5,8 @@ Reads each run folder's ``summary.json`` (or, when a run died before writing it,
 tokens/s, plain decoding's tokens/s, speedup, tau, acceptance (overall and per level),
 fidelity, task scores, then speedup / tau / acceptance per category.  ``--plot out.png``
 draws the speedup per category of every run as grouped bars; ``--csv out.csv`` writes the
-table.  Metric names are the slash-separated ones of ``callbacks.metrics``.  Run it from
-the repository root (``callbacks/`` is a top-level package next to ``specflow/``).
+table.  Metric names are the slash-separated ones of ``specflow.metrics``.  A core module:
+it imports nothing from ``callbacks/`` (its one figure uses matplotlib directly).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from callbacks import metrics as m
-from callbacks.plots import pyplot
+from specflow import metrics as m
 from specflow.results import REQUESTS_FILE, SUMMARY_FILE, read_records, summarize
 
 
@@ -90,6 +89,16 @@ def format_compare(labels: list[str], rows: list[tuple[str, list[Any]]]) -> str:
     return "\n".join(lines)
 
 
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed), imported on first use."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_compare(labels: list[str], summaries: list[dict[str, Any]], path: Path) -> Path:
     """Grouped bars: speedup per category (and ALL) of every run, plain decoding at 1.0."""
     cats = sorted({c for s in summaries for c in s.get("by_category", {})}) + ["ALL"]
@@ -98,7 +107,7 @@ def plot_compare(labels: list[str], summaries: list[dict[str, Any]], path: Path)
         by_cat = m.flatten_by_category(s)
         by_cat["ALL"] = m.flatten_summary(s)
         values.append([by_cat.get(c, {}).get("throughput/speedup") or 0.0 for c in cats])
-    plt = pyplot()
+    plt = _pyplot()
     width = 0.8 / len(summaries)
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(cats) * max(1, len(summaries) / 2)), 3.8))
     for i, (label, vals) in enumerate(zip(labels, values, strict=True)):

@@ -20,12 +20,12 @@ from omegaconf import OmegaConf
 from callbacks.console import ConsoleTable
 from callbacks.csv_logger import CsvLogger
 from callbacks.jsonl import JsonlLogger
-from callbacks.metrics import flatten_record, flatten_summary
 from callbacks.plots import Plots
 from callbacks.progress import ProgressBar
 from callbacks.sweep import SUMMARY_CSV, SweepSummary, objective
 from specflow import compare
 from specflow.engine import Generation
+from specflow.metrics import flatten_record, flatten_summary
 from specflow.results import RunFolder, read_records, summarize
 from specflow.runner import Runner, RunSettings
 from specflow.state import RoundStats, SamplingParams, StageTimes

@@ -1,4 +1,4 @@
-"""One naming of metrics for every logger: slash-separated names from records and summaries.
+"""The metric names of the core: slash-separated names from records and summaries.
 
 ``flatten(metrics)`` turns a request record's ``metrics`` (plus its ``task`` scores) or a
 summary aggregate (overall or one ``by_category`` entry) into flat ``{name: float}``:
@@ -23,13 +23,14 @@ quality/accuracy_ratio    mean of the ``task_ratio/*`` (absent without task scor
 
 ``None`` values are left out; booleans become 0.0 / 1.0; counts stay integers.  The same
 names are used in the JSONL and CSV logs, wandb, the plots, the sweep summary and
-``specflow.compare``.
+``specflow.compare``; ``KEY_METRICS`` / ``ordered_columns`` fix the column order of every
+table and CSV file.  This module is core (it only reads the record and summary schema of
+``specflow.results``), so the callbacks and ``specflow.compare`` both import it.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 SCALARS: dict[str, str] = {
@@ -171,21 +172,3 @@ def ordered_columns(rows: list[dict[str, Any]], first: tuple[str, ...] = ()) -> 
     head = [k for k in (*first, *KEY_METRICS) if k in seen]
     head = list(dict.fromkeys(head))
     return head + sorted(seen - set(head))
-
-
-def run_dir(meta: dict[str, Any], explicit: str | Path | None = None) -> Path | None:
-    """Where a callback writes before ``on_run_end`` tells it the folder.
-
-    ``explicit`` (a callback's ``dir`` argument), else ``meta["output_dir"]``, else Hydra's
-    run folder when running under Hydra, else ``None`` (buffer until ``on_run_end``).
-    """
-    if explicit:
-        return Path(explicit)
-    if meta.get("output_dir"):
-        return Path(meta["output_dir"])
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
-    except Exception:  # noqa: BLE001 - not under Hydra
-        return None
