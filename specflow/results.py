@@ -3,7 +3,14 @@
 - ``requests.jsonl``: one JSON line per finished request, appended, flushed and fsync'ed
   before the next request starts; a rerun with ``resume=true`` skips the ids found there.
 - ``summary.json``: the aggregate (written atomically at the end, and as a partial summary
-  with ``"complete": false`` when the run is interrupted).
+  with ``"complete": false`` when the run is interrupted); the temporary file and the folder
+  are fsync'ed, so a crash leaves the old summary or the new one, never a torn one.
+- ``fingerprint.json``: the settings that determine results (``results_fingerprint``); a
+  resume with different settings is refused instead of mixing two configurations.
+
+A crash mid-write can leave a torn last line in ``requests.jsonl``; a resume truncates the
+file to its last newline (with a warning saying what was dropped). A broken line anywhere
+else is an error naming the file and the line: nothing is skipped silently.
 
 Aggregation (``summarize``): throughput is total new tokens / total seconds (so long
 requests weigh more, as in Spec-Bench); ``speedup`` is the method's tokens/s over plain
@@ -13,58 +20,263 @@ decoding's tokens/s on the same requests; ``tau = 1 + accepted / rounds`` over a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from specflow.errors import ConfigError, SpecflowError
+
+log = logging.getLogger(__name__)
+
 REQUESTS_FILE = "requests.jsonl"
 SUMMARY_FILE = "summary.json"
+FINGERPRINT_FILE = "fingerprint.json"
+
+# The top-level config keys whose values determine a run's results, and the runner keys that
+# do; everything else (callbacks, resume, runner.warmup, threads, cache_dir, ...) does not.
+FINGERPRINT_KEYS = (
+    "method",
+    "model",
+    "drafter",
+    "intermediate_verifier",
+    "draft_length",
+    "target_verifier",
+    "acceptor",
+    "selector",
+    "sampling",
+    "workload",
+)
+FINGERPRINT_RUNNER_KEYS = (
+    "max_new_tokens",
+    "seed",
+    "use_chat_template",
+    "system_prompt",
+    "batch_size",
+    "device",
+    "dtype",
+    "attention",
+    "baseline",
+)
+
+
+class CorruptRecordsError(SpecflowError, ValueError):
+    """A ``requests.jsonl`` line that is not a JSON record (not a torn last line)."""
+
+
+def results_fingerprint(cfg_container: dict[str, Any]) -> dict[str, Any]:
+    """The part of a resolved run config (``OmegaConf.to_container(cfg, resolve=True)``)
+    that determines results: the method, every stage, sampling, the workload and the runner
+    settings in ``FINGERPRINT_RUNNER_KEYS``. Keys absent from the config are left out."""
+    out = {k: cfg_container[k] for k in FINGERPRINT_KEYS if k in cfg_container}
+    runner = cfg_container.get("runner") or {}
+    picked = {k: runner[k] for k in FINGERPRINT_RUNNER_KEYS if k in runner}
+    if picked:
+        out["runner"] = picked
+    return json.loads(json.dumps(out, sort_keys=True, default=str))  # plain, JSON-stable
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and d:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted.key: (old, new)}`` for every leaf that differs (missing = ``<unset>``)."""
+    a, b = _flatten(old), _flatten(new)
+    unset = "<unset>"
+    return {
+        k: (a.get(k, unset), b.get(k, unset))
+        for k in sorted(set(a) | set(b))
+        if a.get(k, unset) != b.get(k, unset)
+    }
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename or a new file in it survives a crash (POSIX)."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(target: Path, data: Any) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(json.dumps(data, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(target)
+    _fsync_dir(target.parent)
+
+
+def _is_record(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def repair_torn_tail(path: Path) -> bytes:
+    """Truncate ``path`` after its last newline; returns the bytes dropped (a torn last line
+    left by a crash mid-write; empty when the file already ends with a newline). A last line
+    that is a whole JSON object (only its newline missing) is kept and gets its newline: no
+    prefix of a serialized object is itself an object."""
+    with path.open("rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return b""
+        keep = data.rfind(b"\n") + 1
+        if _is_record(data[keep:]):
+            f.write(b"\n")
+            dropped = b""
+        else:
+            f.truncate(keep)
+            dropped = data[keep:]
+        f.flush()
+        os.fsync(f.fileno())
+    return dropped
 
 
 class RunFolder:
     """Appends request records and writes the summary in one run folder."""
 
-    def __init__(self, path: str | Path, resume: bool) -> None:
+    """Appends request records and writes the summary in one run folder.
+
+    Args:
+        path: the run folder (created if needed).
+        resume: keep the records already there (their ids are skipped by the runner);
+            otherwise an earlier ``requests.jsonl`` is renamed aside, never overwritten.
+        fingerprint: the settings that determine results (``results_fingerprint(cfg)``),
+            stored in ``fingerprint.json``; a resume whose fingerprint differs from the
+            stored one raises ``ConfigError`` before anything in the folder is touched.
+    """
+
+    def __init__(
+        self, path: str | Path, resume: bool, fingerprint: dict[str, Any] | None = None
+    ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.requests_path = self.path / REQUESTS_FILE
+        self.fingerprint_path = self.path / FINGERPRINT_FILE
         self.records: list[dict[str, Any]] = []
+        if fingerprint is not None:
+            fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+        if resume:
+            self._check_fingerprint(fingerprint)  # first: a refused resume changes nothing
         if self.requests_path.exists():
             if resume:
+                dropped = repair_torn_tail(self.requests_path)
+                if dropped:
+                    log.warning(
+                        "%s: dropped a torn last line (%d bytes, a crash mid-write): %r",
+                        self.requests_path,
+                        len(dropped),
+                        dropped[:200].decode("utf-8", errors="replace"),
+                    )
                 self.records = read_records(self.requests_path)
             else:  # never lose an earlier run: keep it beside the new one
                 stamp = time.strftime("%Y%m%d-%H%M%S")
                 self.requests_path.rename(self.path / f"requests.{stamp}.jsonl")
+                if self.fingerprint_path.exists():
+                    self.fingerprint_path.rename(self.path / f"fingerprint.{stamp}.json")
+        if fingerprint is not None and not (resume and self.fingerprint_path.exists()):
+            _write_json_atomic(self.fingerprint_path, fingerprint)
+
+    def _check_fingerprint(self, fingerprint: dict[str, Any] | None) -> None:
+        if fingerprint is None or not self.fingerprint_path.exists():
+            return
+        try:
+            stored = json.loads(self.fingerprint_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"resume=true: {self.fingerprint_path} is not valid JSON ({exc}); "
+                "resume into a new output folder"
+            ) from None
+        diff = fingerprint_diff(stored, fingerprint)
+        if diff:
+            shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in diff.items())
+            raise ConfigError(
+                f"resume=true into {self.path}, but settings that determine results differ "
+                f"from the run stored there ({len(diff)} key(s)): {shown}. Resuming would mix "
+                "two configurations in one result: rerun with the original settings, or "
+                "without resume=true into a new output folder (hydra.run.dir=...)"
+            )
 
     @property
     def done_ids(self) -> set[str]:
         return {r["request_id"] for r in self.records}
 
     def append(self, record: dict[str, Any]) -> None:
-        with self.requests_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        """Append one record as a line, flushed and fsync'ed; a file that does not end with
+        a newline (a torn line) gets one first, so the new record is never glued to it."""
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        new_file = not self.requests_path.exists()
+        with self.requests_path.open("ab+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.seek(0, os.SEEK_END)
+                    f.write(b"\n")
+            f.seek(0, os.SEEK_END)
+            f.write(line)
             f.flush()
             os.fsync(f.fileno())
+        if new_file:
+            _fsync_dir(self.path)
         self.records.append(record)
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
+        """Write ``summary.json`` atomically: temp file, fsync, rename, fsync the folder."""
         target = self.path / SUMMARY_FILE
-        tmp = target.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(target)
+        _write_json_atomic(target, summary)
         return target
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """Read a requests.jsonl, ignoring a torn last line (a crash mid-write)."""
+    """Read a requests.jsonl. A torn last line (no final newline: a crash mid-write) is left
+    out with a warning; any other line that is not a JSON object raises
+    ``CorruptRecordsError`` naming the file and the line number."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    torn = lines.pop() if lines else b""  # the text after the last newline
     out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CorruptRecordsError(
+                f"{path}, line {number}: not a JSON record ({exc}): "
+                f"{raw[:120].decode('utf-8', errors='replace')!r}. Fix or delete that line "
+                "(the lines around it are intact)"
+            ) from None
+        if not isinstance(record, dict):
+            raise CorruptRecordsError(
+                f"{path}, line {number}: expected a JSON object, got {type(record).__name__}"
+            )
+        out.append(record)
+    if _is_record(torn):  # a whole record, only its newline missing
+        out.append(json.loads(torn))
+    elif torn.strip():
+        log.warning(
+            "%s: ignoring a torn last line %d (%d bytes without a newline; a crash "
+            "mid-write; resume=true truncates it)",
+            path,
+            len(lines) + 1,
+            len(torn),
+        )
     return out
 
 
