@@ -4,6 +4,10 @@ Every draft position i first gets the standard verdict ``ok_i``: greedy, ``x_i``
 target's argmax; sampling, the lossless test ``u_i < p_i(x_i) / q_i(x_i)``.  Scanning
 i = 0..k-1, at a position with ``not ok_i`` (a mismatch):
 
+0. **Zero-probability guard.**  If the target cannot produce ``x_i`` at all, reject at i.
+   Greedy: ``x_i``'s probability under the target's temperature-1 softmax is 0 (its logit
+   is -inf).  Sampling: ``p_i(x_i) = 0`` after temperature, top-k and top-p.  FLy never
+   emits such a token, whatever the gate and the window say.
 1. **Entropy gate.**  ``h_i`` = normalized entropy of the target's distribution at i
    (over its top-``entropy_top_k`` probabilities renormalized, divided by log(top_k); or
    over the whole vocabulary, divided by log(V)).  If ``h_i < theta`` the target is
@@ -43,18 +47,31 @@ def normalized_entropy(probs: torch.Tensor, top_k: int | None) -> torch.Tensor:
     return ent / math.log(support)
 
 
-def fly_scan(ok: list[bool], entropy: list[float], theta: float, window: int) -> tuple[int, int]:
+def fly_scan(
+    ok: list[bool],
+    entropy: list[float],
+    theta: float,
+    window: int,
+    *,
+    possible: list[bool] | None = None,
+) -> tuple[int, int]:
     """Apply the FLy rule to standard verdicts; returns (num_accepted, num_loose).
 
     ``ok[i]``: the standard rule keeps draft token i.  ``entropy[i]``: the target's
-    normalized entropy at i.
+    normalized entropy at i.  ``possible[i]``: the target gives draft token i a non-zero
+    probability (default: all); a mismatch at an impossible token always rejects.
     """
     k = len(ok)
     loose = 0
     for i in range(k):
         if ok[i]:
             continue
-        deferred = theta < 1.0 and entropy[i] >= theta and i + window <= k - 1
+        deferred = (
+            (possible is None or possible[i])
+            and theta < 1.0
+            and entropy[i] >= theta
+            and i + window <= k - 1
+        )
         if deferred and all(ok[i + 1 : i + 1 + window]):
             loose += 1
             continue
@@ -101,20 +118,22 @@ class FlyAcceptor:
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
         k = draft.k
         greedy = state.sampling.greedy
+        idx = torch.tensor(draft.tokens, dtype=torch.long)
+        rows = torch.arange(k)
         if greedy:
             choice = target_logits.argmax(-1)  # [k+1]
             ok = [draft.tokens[i] == int(choice[i]) for i in range(k)]
             gate_probs = target_logits[:k].float().softmax(-1)  # [k, V], temperature 1
         else:
             p = warp(target_logits, state.sampling)  # [k+1, V]
-            idx = torch.tensor(draft.tokens, dtype=torch.long)
-            rows = torch.arange(k)
             q_x = draft.probs[rows, idx] if draft.probs is not None else torch.ones(k)
             u = torch.rand(k, generator=state.generator)
             ok = (u * q_x < p[rows, idx]).tolist()
             gate_probs = p[:k]
+        # The guard: the target must be able to produce the draft token (prob > 0).
+        possible = (gate_probs[rows, idx] > 0).tolist() if k else []
         entropy = normalized_entropy(gate_probs, self.entropy_top_k).tolist() if k else []
-        accepted, loose = fly_scan(ok, entropy, self.theta, self.window)
+        accepted, loose = fly_scan(ok, entropy, self.theta, self.window, possible=possible)
         if k:
             state.stats.record_level("fly_loose", k, loose)
         if greedy:

@@ -1,4 +1,5 @@
-"""FLy acceptor: exact tables for the entropy gate, the window and the boundary."""
+"""FLy acceptor: exact tables for the entropy gate, the window, the boundary and the
+zero-probability guard."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.state import DecodeState, Draft
+from specflow.state import DecodeState, Draft, SamplingParams
 from stages.exact_acceptor import ExactAcceptor
 from stages.fly_acceptor import FlyAcceptor, fly_scan, normalized_entropy
 from stages.full_verifier import FullVerifier
@@ -35,9 +36,13 @@ def logits(tops: list[int], kinds: list[int]) -> torch.Tensor:
     return torch.stack([row(t, k) for t, k in zip(tops, kinds, strict=True)])  # [k+1, V]
 
 
-def verdict(draft: list[int], tops: list[int], kinds: list[int], theta=0.3, window=2):
+def verdict(draft: list[int], tops: list[int], kinds: list[int], theta=0.3, window=2, **kw):
+    return verdict_on(draft, logits(tops, kinds), theta=theta, window=window, **kw)
+
+
+def verdict_on(draft: list[int], target_logits: torch.Tensor, **acceptor_kw):
     state = DecodeState(tokens=[0], prompt_len=1, max_len=32)
-    out = FlyAcceptor(theta=theta, window=window).accept(state, Draft(draft), logits(tops, kinds))
+    out = FlyAcceptor(**acceptor_kw).accept(state, Draft(draft), target_logits)
     return out.num_accepted, out.next_token, state.stats.level_accepted.get("fly_loose", 0)
 
 
@@ -123,3 +128,61 @@ def test_low_theta_accepts_more_than_exact(tiny_target, tiny_drafter):
     )
     prompt = [1, 5, 9, 17]
     assert fly.generate(prompt, 60).stats.tau > exact.generate(prompt, 60).stats.tau
+
+
+# ---------------------------------------------------------------- zero-probability guard
+
+
+def test_greedy_draft_token_with_minus_inf_logit_is_never_loosely_accepted():
+    # The same round as test_high_entropy_mismatch_with_clean_window_accepts (mismatch at 1,
+    # unsure target, window [2, 3] clean), with theta = 0 so the gate is open whatever the
+    # entropy; only the target's logit of the draft token 5 at position 1 is -inf.
+    tops, kinds = [1, 2, 3, 4, 6, 7], [C, U, C, C, C, C]
+    target = logits(tops, kinds)
+    kw = dict(theta=0.0, window=2)
+    assert verdict_on([1, 5, 3, 4, 6], target, **kw) == (5, 7, 1)  # finite logit: loose
+    target[1, 5] = float("-inf")
+    assert verdict_on([1, 5, 3, 4, 6], target, **kw) == (1, 2, 0)  # -inf: reject at 1
+
+
+# Sampling, target top-k = 2: at position 1 the target's logits are 2.0 (token 2), 1.9
+# (token 3), 1.8 (token 4), so after the top-2 filter p(4) = 0 and p(2), p(3) =
+# e^0.1/(1+e^0.1), 1/(1+e^0.1) = 0.5250, 0.4750.  Its normalized top-3 entropy is
+# -(0.525 ln 0.525 + 0.475 ln 0.475)/ln 3 = 0.6919/1.0986 = 0.6298 >= theta 0.3: the gate
+# is open.  Positions 0, 2, 3 are confident (10 vs -20: p = 1.0 in
+# float32) and the draft follows them, so they are always ok and the window (W = 2) passes.
+def _sampled_round(draft_token_at_1: int, seed: int):
+    target = logits([1, 2, 3, 4, 6], [C, C, C, C, C])
+    target[1] = torch.full((V,), -20.0)
+    target[1, 2], target[1, 3], target[1, 4] = 2.0, 1.9, 1.8
+    state = DecodeState(
+        tokens=[0], prompt_len=1, max_len=32,
+        sampling=SamplingParams(temperature=1.0, top_k=2),
+        generator=torch.Generator().manual_seed(seed),
+    )
+    acceptor = FlyAcceptor(theta=0.3, window=2)
+    out = acceptor.accept(state, Draft([1, draft_token_at_1, 3, 4]), target)
+    return out.num_accepted, out.next_token, state.stats.level_accepted.get("fly_loose", 0)
+
+
+def test_sampled_draft_token_with_warped_probability_zero_is_never_loosely_accepted():
+    for seed in range(40):
+        accepted, token, loose = _sampled_round(4, seed)  # p(4) = 0 after top-2
+        assert (accepted, loose) == (1, 0)
+        assert token in (2, 3)  # the correction is drawn from the target's support
+
+
+def test_sampled_possible_draft_token_can_be_loosely_accepted():
+    # Control: token 3 (p = 0.475) fails the lossless test when u >= 0.475 (q one-hot), and
+    # then the open gate and the clean window accept it loosely.
+    outcomes = {_sampled_round(3, seed) for seed in range(40)}
+    assert (4, 6, 1) in outcomes  # loose at 1, then the bonus from position 4's argmax 6
+    assert (4, 6, 0) in outcomes  # accepted by the lossless test itself
+
+
+def test_fly_scan_refuses_impossible_tokens():
+    ok, ent = [False, True, True], [0.9, 0.0, 0.0]
+    assert fly_scan(ok, ent, 0.3, 2) == (3, 1)
+    assert fly_scan(ok, ent, 0.3, 2, possible=[True, True, True]) == (3, 1)
+    assert fly_scan(ok, ent, 0.3, 2, possible=[False, True, True]) == (0, 0)
+    assert fly_scan(ok, ent, 0.0, 2, possible=[False, True, True]) == (0, 0)
