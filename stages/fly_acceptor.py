@@ -18,6 +18,9 @@ i = 0..k-1, at a position with ``not ok_i`` (a mismatch):
    If another mismatch falls in the window, reject at i (retroactively).
 3. **Boundary.**  If the window runs past the draft (i + W > k - 1), reject at i.
 
+``window = None`` is vLLM's default W = min(6, k - 1), with k the configured draft length
+(``drafter.k``, resolved when the pipeline is built); an explicit integer W must be < k.
+
 On rejection at i the correction token is the target's (argmax, or a sample from
 norm(max(0, p_i - q_i)) when sampling); after k kept tokens the bonus comes from p_k.
 ``theta = 1`` disables the gate (normalized entropy reaches 1 only for a uniform
@@ -35,6 +38,8 @@ from specflow.acceptance import correction_sample
 from specflow.errors import ConfigError
 from specflow.sampling import sample, warp
 from specflow.state import Acceptance, DecodeState, Draft
+
+VLLM_MAX_WINDOW = 6  # vLLM's default window: min(6, k - 1)
 
 
 def normalized_entropy(probs: torch.Tensor, top_k: int | None) -> torch.Tensor:
@@ -67,7 +72,8 @@ def fly_scan(
         if ok[i]:
             continue
         deferred = (
-            (possible is None or possible[i])
+            window >= 1
+            and (possible is None or possible[i])
             and theta < 1.0
             and entropy[i] >= theta
             and i + window <= k - 1
@@ -79,23 +85,33 @@ def fly_scan(
     return k, loose
 
 
+def default_window(k: int) -> int:
+    """vLLM's default window for draft length ``k``: min(6, k - 1)."""
+    return min(VLLM_MAX_WINDOW, k - 1)
+
+
 class FlyAcceptor:
     """FLy loose acceptance (see module doc).
 
     Args:
         theta: entropy threshold in [0, 1]; the gate opens when h >= theta.
-        window: W, the number of following draft positions that must agree (>= 1).
+        window: W, the number of following draft positions that must agree (>= 1, < k);
+            ``None`` for vLLM's default min(6, k - 1), k = the configured draft length.
         entropy_top_k: compute the entropy over the target's top-k probabilities (vLLM's
             default 3); ``null``/0 for the full vocabulary.
     """
 
     lossless = False
 
-    def __init__(self, theta: float = 0.3, window: int = 6, entropy_top_k: int | None = 3) -> None:
+    def __init__(
+        self, theta: float = 0.3, window: int | None = None, entropy_top_k: int | None = 3
+    ) -> None:
         if not 0.0 <= theta <= 1.0:
             raise ConfigError(f"acceptor.theta must be in [0, 1], got {theta}")
-        if window < 1:
-            raise ConfigError(f"acceptor.window must be >= 1, got {window}")
+        if window is not None and window < 1:
+            raise ConfigError(
+                f"acceptor.window must be >= 1, got {window} (or null for min(6, k-1))"
+            )
         if entropy_top_k is not None and entropy_top_k < 0:
             raise ConfigError(f"acceptor.entropy_top_k must be >= 2 or null, got {entropy_top_k}")
         self.theta = theta
@@ -103,17 +119,36 @@ class FlyAcceptor:
         self.entropy_top_k = entropy_top_k or None
         if self.entropy_top_k == 1:
             raise ConfigError("acceptor.entropy_top_k=1 makes the entropy always 0; use >= 2")
+        # window=None: resolved from the configured draft length by check_draft_length.
+        self._resolved_window: int | None = window
 
     def check(self, greedy: bool) -> None:
         pass
 
     def check_draft_length(self, k: int) -> None:
-        """A window as long as the draft could never close: every deferral would reject."""
+        """Refuse a window that could never close (every deferral would reject); resolve
+        ``window=None`` to min(6, k - 1)."""
+        if self.window is None:
+            if k < 2:
+                raise ConfigError(
+                    f"FLy's default window min(6, k-1) is 0 for the draft length k={k}: no "
+                    f"position could ever be deferred; raise drafter.k to >= 2"
+                )
+            self._resolved_window = default_window(k)
+            return
         if self.window >= k:
             raise ConfigError(
                 f"FLy window acceptor.window={self.window} must be < the draft length k={k} "
-                f"(the window must fit after a mismatch); lower acceptor.window or raise drafter.k"
+                f"(the window must fit after a mismatch); lower acceptor.window, set it to "
+                f"null (min(6, k-1)) or raise drafter.k"
             )
+
+    def window_for(self, k: int) -> int:
+        """The window W used for a draft of ``k`` tokens (``window=None`` before a pipeline
+        resolved it: min(6, k - 1) of this draft; W < 1 never defers)."""
+        if self._resolved_window is not None:
+            return self._resolved_window
+        return default_window(k)
 
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
         k = draft.k
@@ -133,7 +168,9 @@ class FlyAcceptor:
         # The guard: the target must be able to produce the draft token (prob > 0).
         possible = (gate_probs[rows, idx] > 0).tolist() if k else []
         entropy = normalized_entropy(gate_probs, self.entropy_top_k).tolist() if k else []
-        accepted, loose = fly_scan(ok, entropy, self.theta, self.window, possible=possible)
+        accepted, loose = fly_scan(
+            ok, entropy, self.theta, self.window_for(k), possible=possible
+        )
         if k:
             state.stats.record_level("fly_loose", k, loose)
         if greedy:

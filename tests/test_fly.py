@@ -4,6 +4,7 @@ zero-probability guard."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,56 @@ def test_fly_scan_refuses_impossible_tokens():
     assert fly_scan(ok, ent, 0.3, 2, possible=[True, True, True]) == (3, 1)
     assert fly_scan(ok, ent, 0.3, 2, possible=[False, True, True]) == (0, 0)
     assert fly_scan(ok, ent, 0.0, 2, possible=[False, True, True]) == (0, 0)
+
+
+# ---------------------------------------------------------------- default window
+
+
+@pytest.mark.parametrize(("k", "window"), [(2, 1), (4, 3), (6, 5), (7, 6), (8, 6), (12, 6)])
+def test_null_window_is_min_6_k_minus_1(k, window):
+    acceptor = FlyAcceptor(window=None)
+    acceptor.check_draft_length(k)
+    assert acceptor.window_for(k) == window
+    assert acceptor.window_for(k - 1) == window  # a shorter round keeps the configured W
+
+
+def test_null_window_needs_k_at_least_2():
+    with pytest.raises(ConfigError, match="min\\(6, k-1\\) is 0 for the draft length k=1"):
+        FlyAcceptor(window=None).check_draft_length(1)
+    with pytest.raises(ConfigError, match="window=6 must be < the draft length k=6"):
+        FlyAcceptor(window=6).check_draft_length(6)
+    FlyAcceptor(window=5).check_draft_length(6)
+
+
+def test_null_window_without_a_pipeline_uses_the_draft_length():
+    # k = 5 -> W = 4: a mismatch at 0 with positions 1..4 clean is accepted loosely...
+    assert verdict([0, 2, 3, 4, 6], [1, 2, 3, 4, 6, 7], [U, C, C, C, C, C], window=None) == (
+        5, 7, 1,
+    )
+    # ...a mismatch at 1 cannot fit its window [2, 5] in the draft: rejected.
+    assert verdict([1, 5, 3, 4, 6], [1, 2, 3, 4, 6, 7], [C, U, C, C, C, C], window=None) == (
+        1, 2, 0,
+    )
+    # k = 1 -> W = 0: nothing can be deferred.
+    assert verdict([0], [1, 2], [U, C], theta=0.0, window=None) == (0, 1, 0)
+
+
+def test_null_window_pipeline_builds_where_w6_did_not(tiny_target, tiny_drafter):
+    _, lm = tiny_target
+    _, d = tiny_drafter
+    acceptor = FlyAcceptor()  # window=None is the default now (was 6: refused for k <= 6)
+    SpeculativePipeline(FullVerifier(lm), acceptor, drafter=ModelDrafter(d, k=4))
+    assert acceptor.window_for(4) == 3
+    with pytest.raises(ConfigError, match="k=1"):
+        SpeculativePipeline(FullVerifier(lm), FlyAcceptor(), drafter=ModelDrafter(d, k=1))
+
+
+def test_acceptor_conf_file():
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "acceptor"
+    node = OmegaConf.to_container(OmegaConf.load(conf / "fly.yaml"))
+    assert node == {
+        "_target_": "stages.fly_acceptor.FlyAcceptor", "theta": 0.3, "window": None,
+        "entropy_top_k": 3,
+    }
