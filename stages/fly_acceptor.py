@@ -8,10 +8,21 @@ i = 0..k-1, at a position with ``not ok_i`` (a mismatch):
    Greedy: ``x_i``'s probability under the target's temperature-1 softmax is 0 (its logit
    is -inf).  Sampling: ``p_i(x_i) = 0`` after temperature, top-k and top-p.  FLy never
    emits such a token, whatever the gate and the window say.
-1. **Entropy gate.**  ``h_i`` = normalized entropy of the target's distribution at i
-   (over its top-``entropy_top_k`` probabilities renormalized, divided by log(top_k); or
-   over the whole vocabulary, divided by log(V)).  If ``h_i < theta`` the target is
-   confident: reject at i, as the standard rule does.
+1. **Entropy gate.**  ``h_i`` = the entropy of the target's distribution at i (greedy: the
+   temperature-1 softmax; sampling: the warped p).  If ``h_i < theta`` the target is
+   confident: reject at i, as the standard rule does.  Two definitions (``entropy``):
+
+   * ``normalized`` (default; the FLy paper's): over the top-``entropy_top_k``
+     probabilities *renormalized* to sum 1, divided by log(top_k) (or over the whole
+     vocabulary, divided by log V), so ``h`` is in [0, 1].  ``theta = 1`` shuts the gate
+     (``h`` reaches 1 only for a uniform distribution): FLy then equals the standard rule.
+   * ``vllm`` (vLLM's ``rejection_sample_method="fly"``): raw nats ``-sum p log p`` over the
+     top-``entropy_top_k`` probabilities of the full distribution, *not* renormalized and
+     *not* divided by log(top_k).  ``h`` lies in [0, log(top_k)] (top-3: up to
+     log 3 = 1.0986), so ``theta = 1`` does not shut the gate: near-uniform top-3 rows still
+     defer.  Use this mode to reproduce vLLM; its theta = 0.3 is a different gate from
+     ``normalized``'s theta = 0.3.
+
 2. **Deferral window.**  Otherwise look at positions i+1 .. i+W, which the target already
    scored in the same pass, conditioned on the draft's token at i.  If all of them are
    ok, the target went along with the draft's wording: accept token i loosely and go on.
@@ -23,8 +34,6 @@ i = 0..k-1, at a position with ``not ok_i`` (a mismatch):
 
 On rejection at i the correction token is the target's (argmax, or a sample from
 norm(max(0, p_i - q_i)) when sampling); after k kept tokens the bonus comes from p_k.
-``theta = 1`` disables the gate (normalized entropy reaches 1 only for a uniform
-distribution): FLy then equals the standard rule token for token.
 Loosely accepted tokens are counted in the per-level stats as level ``fly_loose``.
 """
 
@@ -39,17 +48,53 @@ from specflow.errors import ConfigError
 from specflow.sampling import sample, warp
 from specflow.state import Acceptance, DecodeState, Draft
 
+ENTROPY_MODES = ("normalized", "vllm")
 VLLM_MAX_WINDOW = 6  # vLLM's default window: min(6, k - 1)
 
 
-def normalized_entropy(probs: torch.Tensor, top_k: int | None) -> torch.Tensor:
-    """``probs [T, V] -> [T]`` entropy / log(support), over the top-k renormalized or all V."""
+def _top_k(probs: torch.Tensor, top_k: int | None) -> torch.Tensor:
     if top_k is not None and top_k < probs.shape[-1]:
-        probs = torch.topk(probs, top_k, dim=-1).values
+        return torch.topk(probs, top_k, dim=-1).values
+    return probs
+
+
+def _nats(probs: torch.Tensor) -> torch.Tensor:
+    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+
+
+def normalized_entropy(probs: torch.Tensor, top_k: int | None) -> torch.Tensor:
+    """``probs [T, V] -> [T]`` entropy / log(support), over the top-k renormalized or all V.
+
+    The FLy paper's definition, in [0, 1]."""
+    if top_k is not None and top_k < probs.shape[-1]:
+        probs = _top_k(probs, top_k)
         probs = probs / probs.sum(-1, keepdim=True)
-    support = probs.shape[-1]
-    ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-    return ent / math.log(support)
+    return _nats(probs) / math.log(probs.shape[-1])
+
+
+def vllm_entropy(probs: torch.Tensor, top_k: int | None) -> torch.Tensor:
+    """``probs [T, V] -> [T]`` raw entropy in nats over the top-k probabilities as they are.
+
+    vLLM's definition: the top-k values of the full distribution, not renormalized, not
+    divided by log(top_k); in [0, log(top_k)] (or [0, log V] over all V)."""
+    return _nats(_top_k(probs, top_k))
+
+
+def gate_entropy(probs: torch.Tensor, top_k: int | None, mode: str) -> torch.Tensor:
+    """The gate's entropy of ``probs [T, V] -> [T]`` under ``mode`` (see ``ENTROPY_MODES``)."""
+    if mode == "vllm":
+        return vllm_entropy(probs, top_k)
+    return normalized_entropy(probs, top_k)
+
+
+def gate_open(entropy: float, theta: float, mode: str = "normalized") -> bool:
+    """The entropy gate: defer when ``entropy >= theta``.
+
+    ``normalized``: ``theta = 1`` shuts the gate.  ``vllm``: no special case (raw top-3
+    entropy can exceed 1)."""
+    if mode == "normalized" and theta >= 1.0:
+        return False
+    return entropy >= theta
 
 
 def fly_scan(
@@ -58,13 +103,14 @@ def fly_scan(
     theta: float,
     window: int,
     *,
+    mode: str = "normalized",
     possible: list[bool] | None = None,
 ) -> tuple[int, int]:
     """Apply the FLy rule to standard verdicts; returns (num_accepted, num_loose).
 
-    ``ok[i]``: the standard rule keeps draft token i.  ``entropy[i]``: the target's
-    normalized entropy at i.  ``possible[i]``: the target gives draft token i a non-zero
-    probability (default: all); a mismatch at an impossible token always rejects.
+    ``ok[i]``: the standard rule keeps draft token i.  ``entropy[i]``: the target's gate
+    entropy at i (``mode``'s definition).  ``possible[i]``: the target gives draft token i a
+    non-zero probability (default: all); a mismatch at an impossible token always rejects.
     """
     k = len(ok)
     loose = 0
@@ -74,8 +120,7 @@ def fly_scan(
         deferred = (
             window >= 1
             and (possible is None or possible[i])
-            and theta < 1.0
-            and entropy[i] >= theta
+            and gate_open(entropy[i], theta, mode)
             and i + window <= k - 1
         )
         if deferred and all(ok[i + 1 : i + 1 + window]):
@@ -94,20 +139,38 @@ class FlyAcceptor:
     """FLy loose acceptance (see module doc).
 
     Args:
-        theta: entropy threshold in [0, 1]; the gate opens when h >= theta.
+        theta: entropy threshold; the gate opens when h >= theta.  ``normalized``: in
+            [0, 1], 1 shuts the gate.  ``vllm``: >= 0, raw nats (1 does not shut the gate).
         window: W, the number of following draft positions that must agree (>= 1, < k);
             ``None`` for vLLM's default min(6, k - 1), k = the configured draft length.
-        entropy_top_k: compute the entropy over the target's top-k probabilities (vLLM's
-            default 3); ``null``/0 for the full vocabulary.
+        entropy_top_k: compute the entropy over the target's top-k probabilities (3, as in
+            vLLM); ``null``/0 for the full vocabulary.
+        entropy: ``normalized`` (the paper's: top-k renormalized, divided by log(top_k)) or
+            ``vllm`` (vLLM's: raw nats over the un-renormalized top-k).
     """
 
     lossless = False
 
     def __init__(
-        self, theta: float = 0.3, window: int | None = None, entropy_top_k: int | None = 3
+        self,
+        theta: float = 0.3,
+        window: int | None = None,
+        entropy_top_k: int | None = 3,
+        entropy: str = "normalized",
     ) -> None:
-        if not 0.0 <= theta <= 1.0:
-            raise ConfigError(f"acceptor.theta must be in [0, 1], got {theta}")
+        if entropy not in ENTROPY_MODES:
+            raise ConfigError(
+                f"acceptor.entropy must be one of {', '.join(ENTROPY_MODES)}, got {entropy!r}"
+            )
+        if entropy == "normalized" and not 0.0 <= theta <= 1.0:
+            raise ConfigError(
+                f"acceptor.theta must be in [0, 1], got {theta} (acceptor.entropy=normalized; "
+                f"acceptor.entropy=vllm takes raw nats >= 0)"
+            )
+        if entropy == "vllm" and not theta >= 0.0:
+            raise ConfigError(
+                f"acceptor.theta must be >= 0 with acceptor.entropy=vllm, got {theta}"
+            )
         if window is not None and window < 1:
             raise ConfigError(
                 f"acceptor.window must be >= 1, got {window} (or null for min(6, k-1))"
@@ -116,9 +179,12 @@ class FlyAcceptor:
             raise ConfigError(f"acceptor.entropy_top_k must be >= 2 or null, got {entropy_top_k}")
         self.theta = theta
         self.window = window
+        self.entropy = entropy
         self.entropy_top_k = entropy_top_k or None
-        if self.entropy_top_k == 1:
-            raise ConfigError("acceptor.entropy_top_k=1 makes the entropy always 0; use >= 2")
+        if self.entropy_top_k == 1 and entropy == "normalized":
+            raise ConfigError(
+                "acceptor.entropy_top_k=1 makes the normalized entropy always 0; use >= 2"
+            )
         # window=None: resolved from the configured draft length by check_draft_length.
         self._resolved_window: int | None = window
 
@@ -167,9 +233,9 @@ class FlyAcceptor:
             gate_probs = p[:k]
         # The guard: the target must be able to produce the draft token (prob > 0).
         possible = (gate_probs[rows, idx] > 0).tolist() if k else []
-        entropy = normalized_entropy(gate_probs, self.entropy_top_k).tolist() if k else []
+        entropy = gate_entropy(gate_probs, self.entropy_top_k, self.entropy).tolist() if k else []
         accepted, loose = fly_scan(
-            ok, entropy, self.theta, self.window_for(k), possible=possible
+            ok, entropy, self.theta, self.window_for(k), mode=self.entropy, possible=possible
         )
         if k:
             state.stats.record_level("fly_loose", k, loose)

@@ -1,5 +1,5 @@
-"""FLy acceptor: exact tables for the entropy gate, the window, the boundary and the
-zero-probability guard."""
+"""FLy acceptor: exact tables for the entropy gate (both definitions), the window, the
+boundary and the zero-probability guard."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.state import DecodeState, Draft, SamplingParams
 from stages.exact_acceptor import ExactAcceptor
-from stages.fly_acceptor import FlyAcceptor, fly_scan, normalized_entropy
+from stages.fly_acceptor import (
+    FlyAcceptor,
+    fly_scan,
+    gate_entropy,
+    normalized_entropy,
+    vllm_entropy,
+)
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
 
@@ -134,13 +140,14 @@ def test_low_theta_accepts_more_than_exact(tiny_target, tiny_drafter):
 # ---------------------------------------------------------------- zero-probability guard
 
 
-def test_greedy_draft_token_with_minus_inf_logit_is_never_loosely_accepted():
+@pytest.mark.parametrize("entropy", ["normalized", "vllm"])
+def test_greedy_draft_token_with_minus_inf_logit_is_never_loosely_accepted(entropy):
     # The same round as test_high_entropy_mismatch_with_clean_window_accepts (mismatch at 1,
     # unsure target, window [2, 3] clean), with theta = 0 so the gate is open whatever the
     # entropy; only the target's logit of the draft token 5 at position 1 is -inf.
     tops, kinds = [1, 2, 3, 4, 6, 7], [C, U, C, C, C, C]
     target = logits(tops, kinds)
-    kw = dict(theta=0.0, window=2)
+    kw = dict(theta=0.0, window=2, entropy=entropy)
     assert verdict_on([1, 5, 3, 4, 6], target, **kw) == (5, 7, 1)  # finite logit: loose
     target[1, 5] = float("-inf")
     assert verdict_on([1, 5, 3, 4, 6], target, **kw) == (1, 2, 0)  # -inf: reject at 1
@@ -149,10 +156,10 @@ def test_greedy_draft_token_with_minus_inf_logit_is_never_loosely_accepted():
 # Sampling, target top-k = 2: at position 1 the target's logits are 2.0 (token 2), 1.9
 # (token 3), 1.8 (token 4), so after the top-2 filter p(4) = 0 and p(2), p(3) =
 # e^0.1/(1+e^0.1), 1/(1+e^0.1) = 0.5250, 0.4750.  Its normalized top-3 entropy is
-# -(0.525 ln 0.525 + 0.475 ln 0.475)/ln 3 = 0.6919/1.0986 = 0.6298 >= theta 0.3: the gate
-# is open.  Positions 0, 2, 3 are confident (10 vs -20: p = 1.0 in
+# -(0.525 ln 0.525 + 0.475 ln 0.475)/ln 3 = 0.6919/1.0986 = 0.6298 (vllm: 0.6919 nats),
+# >= theta 0.3: the gate is open.  Positions 0, 2, 3 are confident (10 vs -20: p = 1.0 in
 # float32) and the draft follows them, so they are always ok and the window (W = 2) passes.
-def _sampled_round(draft_token_at_1: int, seed: int):
+def _sampled_round(draft_token_at_1: int, seed: int, entropy: str):
     target = logits([1, 2, 3, 4, 6], [C, C, C, C, C])
     target[1] = torch.full((V,), -20.0)
     target[1, 2], target[1, 3], target[1, 4] = 2.0, 1.9, 1.8
@@ -161,22 +168,24 @@ def _sampled_round(draft_token_at_1: int, seed: int):
         sampling=SamplingParams(temperature=1.0, top_k=2),
         generator=torch.Generator().manual_seed(seed),
     )
-    acceptor = FlyAcceptor(theta=0.3, window=2)
+    acceptor = FlyAcceptor(theta=0.3, window=2, entropy=entropy)
     out = acceptor.accept(state, Draft([1, draft_token_at_1, 3, 4]), target)
     return out.num_accepted, out.next_token, state.stats.level_accepted.get("fly_loose", 0)
 
 
-def test_sampled_draft_token_with_warped_probability_zero_is_never_loosely_accepted():
+@pytest.mark.parametrize("entropy", ["normalized", "vllm"])
+def test_sampled_draft_token_with_warped_probability_zero_is_never_loosely_accepted(entropy):
     for seed in range(40):
-        accepted, token, loose = _sampled_round(4, seed)  # p(4) = 0 after top-2
+        accepted, token, loose = _sampled_round(4, seed, entropy)  # p(4) = 0 after top-2
         assert (accepted, loose) == (1, 0)
         assert token in (2, 3)  # the correction is drawn from the target's support
 
 
-def test_sampled_possible_draft_token_can_be_loosely_accepted():
+@pytest.mark.parametrize("entropy", ["normalized", "vllm"])
+def test_sampled_possible_draft_token_can_be_loosely_accepted(entropy):
     # Control: token 3 (p = 0.475) fails the lossless test when u >= 0.475 (q one-hot), and
     # then the open gate and the clean window accept it loosely.
-    outcomes = {_sampled_round(3, seed) for seed in range(40)}
+    outcomes = {_sampled_round(3, seed, entropy) for seed in range(40)}
     assert (4, 6, 1) in outcomes  # loose at 1, then the bonus from position 4's argmax 6
     assert (4, 6, 0) in outcomes  # accepted by the lossless test itself
 
@@ -186,7 +195,76 @@ def test_fly_scan_refuses_impossible_tokens():
     assert fly_scan(ok, ent, 0.3, 2) == (3, 1)
     assert fly_scan(ok, ent, 0.3, 2, possible=[True, True, True]) == (3, 1)
     assert fly_scan(ok, ent, 0.3, 2, possible=[False, True, True]) == (0, 0)
-    assert fly_scan(ok, ent, 0.0, 2, possible=[False, True, True]) == (0, 0)
+    assert fly_scan(ok, ent, 0.0, 2, mode="vllm", possible=[False, True, True]) == (0, 0)
+
+
+# ---------------------------------------------------------------- entropy definitions
+
+
+def test_entropy_definitions_hand_computed():
+    # probs 0.5, 0.3, 0.1, 0.1; top-3 = 0.5, 0.3, 0.1 (mass s = 0.9).
+    probs = torch.tensor([[0.5, 0.3, 0.1, 0.1]])
+    # vllm: raw nats over the top-3 as they are:
+    #   0.5 ln 2 + 0.3 ln(1/0.3) + 0.1 ln 10 = 0.346574 + 0.361192 + 0.230259 = 0.938024
+    assert vllm_entropy(probs, 3).item() == pytest.approx(0.938024, abs=1e-5)
+    # normalized: top-3 renormalized to 5/9, 3/9, 1/9:
+    #   (5/9 ln 1.8 + 3/9 ln 3 + 1/9 ln 9) / ln 3 = (0.326548 + 0.366204 + 0.244136) / 1.098612
+    #   = 0.936888 / 1.098612 = 0.852793
+    assert normalized_entropy(probs, 3).item() == pytest.approx(0.852793, abs=1e-5)
+    # (the two are tied by vllm = s (H_renorm - ln s) = 0.9 (0.936888 + 0.105361) = 0.938024)
+    assert gate_entropy(probs, 3, "vllm").item() == pytest.approx(0.938024, abs=1e-5)
+    assert gate_entropy(probs, 3, "normalized").item() == pytest.approx(0.852793, abs=1e-5)
+    # Uniform top-3: normalized 1; vllm ln 3 = 1.098612, above 1.
+    third = torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0]])
+    assert normalized_entropy(third, 3).item() == pytest.approx(1.0, abs=1e-6)
+    assert vllm_entropy(third, 3).item() == pytest.approx(1.098612, abs=1e-5)
+    # Uniform over 4, top-3 = 0.25 x 3: normalized 1 (renormalized to uniform); vllm
+    # 3 x 0.25 ln 4 = 0.75 x 1.386294 = 1.039721.
+    quarter = torch.full((1, 4), 0.25)
+    assert normalized_entropy(quarter, 3).item() == pytest.approx(1.0, abs=1e-6)
+    assert vllm_entropy(quarter, 3).item() == pytest.approx(1.039721, abs=1e-5)
+    # Full vocabulary (top_k None): vllm is the plain entropy, ln 4 = 1.386294.
+    assert vllm_entropy(quarter, None).item() == pytest.approx(1.386294, abs=1e-5)
+
+
+# A row where the two gates disagree at theta = 0.3: top-3 = 0.846, 0.027, 0.027 (mass
+# 0.9 = 0.9 x (0.94, 0.03, 0.03)), five other tokens at 0.02.
+#   vllm: 0.846 ln(1/0.846) + 2 x 0.027 ln(1/0.027) = 0.141495 + 0.195031 = 0.336525 >= 0.3
+#   normalized: (0.94 ln(1/0.94) + 2 x 0.03 ln(1/0.03)) / ln 3 = 0.268557 / 1.098612
+#   = 0.244451 < 0.3
+DISAGREE = torch.tensor([[0.846, 0.027, 0.027, 0.02, 0.02, 0.02, 0.02, 0.02]])
+
+
+def test_the_two_gates_differ_at_theta_0_3():
+    assert vllm_entropy(DISAGREE, 3).item() == pytest.approx(0.336525, abs=1e-5)
+    assert normalized_entropy(DISAGREE, 3).item() == pytest.approx(0.244451, abs=1e-5)
+    # Greedy round: mismatch at 1 on the DISAGREE row, window [2, 3] clean.
+    target = logits([1, 0, 3, 4, 6, 7], [C, C, C, C, C, C])
+    target[1] = DISAGREE[0].log()  # temperature-1 softmax gives DISAGREE back; argmax 0
+    draft = [1, 1, 3, 4, 6]
+    assert verdict_on(draft, target, theta=0.3, window=2, entropy="normalized") == (1, 0, 0)
+    assert verdict_on(draft, target, theta=0.3, window=2, entropy="vllm") == (5, 7, 1)
+
+
+def test_theta_one_shuts_only_the_normalized_gate():
+    # Uniform-ish top-3 (UNSURE row): normalized 1.0, vllm ln 3 = 1.0986 nats.
+    args = ([1, 5, 3, 4, 6], [1, 2, 3, 4, 6, 7], [C, U, C, C, C, C])
+    assert verdict(*args, theta=1.0, entropy="normalized") == (1, 2, 0)  # gate shut
+    assert verdict(*args, theta=1.0, entropy="vllm") == (5, 7, 1)  # 1.0986 >= 1: defer
+    assert verdict(*args, theta=1.1, entropy="vllm") == (1, 2, 0)  # 1.0986 < 1.1
+    assert fly_scan([False, True, True], [1.0986, 0, 0], 1.0, 2, mode="vllm") == (3, 1)
+    assert fly_scan([False, True, True], [1.0, 0, 0], 1.0, 2, mode="normalized") == (0, 0)
+
+
+def test_theta_range_depends_on_the_entropy_definition():
+    assert FlyAcceptor(theta=1.5, entropy="vllm").theta == 1.5  # raw nats may exceed 1
+    with pytest.raises(ConfigError, match="theta must be >= 0 with acceptor.entropy=vllm"):
+        FlyAcceptor(theta=-0.1, entropy="vllm")
+    with pytest.raises(ConfigError, match="acceptor.entropy must be one of normalized, vllm"):
+        FlyAcceptor(entropy="nats")
+    with pytest.raises(ConfigError, match="entropy_top_k=1"):
+        FlyAcceptor(entropy_top_k=1)
+    assert FlyAcceptor(entropy_top_k=1, entropy="vllm").entropy_top_k == 1  # -p ln p: not 0
 
 
 # ---------------------------------------------------------------- default window
@@ -231,12 +309,13 @@ def test_null_window_pipeline_builds_where_w6_did_not(tiny_target, tiny_drafter)
         SpeculativePipeline(FullVerifier(lm), FlyAcceptor(), drafter=ModelDrafter(d, k=1))
 
 
-def test_acceptor_conf_file():
+def test_acceptor_conf_files():
     from omegaconf import OmegaConf
 
     conf = Path(__file__).resolve().parents[1] / "conf" / "acceptor"
-    node = OmegaConf.to_container(OmegaConf.load(conf / "fly.yaml"))
-    assert node == {
-        "_target_": "stages.fly_acceptor.FlyAcceptor", "theta": 0.3, "window": None,
-        "entropy_top_k": 3,
-    }
+    paper = OmegaConf.to_container(OmegaConf.load(conf / "fly.yaml"))
+    vllm = OmegaConf.to_container(OmegaConf.load(conf / "fly_vllm.yaml"))
+    for node in (paper, vllm):
+        assert node.pop("_target_") == "stages.fly_acceptor.FlyAcceptor"
+    assert paper == {"theta": 0.3, "window": None, "entropy_top_k": 3, "entropy": "normalized"}
+    assert vllm == {"theta": 0.3, "window": None, "entropy_top_k": 3, "entropy": "vllm"}
