@@ -2,13 +2,21 @@
 
 ``instantiate_checked`` resolves a node's ``_target_`` and compares the node's keys with
 the target's signature, so a misspelled stage or key fails with one message that names
-the config group, the value and the valid choices, instead of a deep traceback.
+the config group, the value and the valid choices, instead of a deep traceback. Each
+value is also checked against its parameter's type annotation (``int``, ``float``,
+``bool``, ``str``, ``None``/``Optional``, unions, ``Literal``, lists, mappings; an int is a
+valid float, a bool is not an int); other annotations (``Any``, models, protocols) are
+not checked.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+import pathlib
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hydra.errors import InstantiationException
@@ -23,6 +31,115 @@ def _plain(node: Any) -> Any:
     if isinstance(node, DictConfig):
         return OmegaConf.to_container(node, resolve=True)
     return node
+
+
+_UNCHECKED = object()  # an annotation this module does not check
+
+
+def _hints(obj: Any) -> dict[str, Any]:
+    """The evaluated parameter annotations of a class's ``__init__`` or a function; an
+    annotation that cannot be evaluated (a name imported only for type checkers) is left
+    out, so it is not checked."""
+    func = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        return typing.get_type_hints(func)
+    except Exception:  # noqa: BLE001 - evaluate one by one below
+        pass
+    raw = getattr(func, "__annotations__", {}) or {}
+    module = sys.modules.get(getattr(func, "__module__", ""), None)
+    scope = dict(vars(module)) if module else {}
+    out = {}
+    for name, ann in raw.items():
+        try:
+            out[name] = eval(ann, scope) if isinstance(ann, str) else ann  # noqa: S307
+        except Exception:  # noqa: BLE001
+            continue
+    return out
+
+
+def _shown(ann: Any) -> str:
+    """An annotation as written: ``int``, ``list[str] | None``."""
+    if isinstance(ann, type) and not typing.get_args(ann):
+        return ann.__name__
+    return str(ann).replace("typing.", "").replace("NoneType", "None")
+
+
+def _describe(ann: Any) -> str | object:
+    """``"an int"``, ``"an int or null"``, ... or ``_UNCHECKED``."""
+    origin = typing.get_origin(ann)
+    if ann is type(None) or ann is None:
+        return "null"
+    if origin in (typing.Union, types.UnionType):
+        parts = [_describe(a) for a in typing.get_args(ann)]
+        if any(p is _UNCHECKED for p in parts):
+            return _UNCHECKED
+        return " or ".join(dict.fromkeys(parts))  # type: ignore[arg-type]
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(ann))
+    base = origin or ann
+    if base is bool:
+        return "a bool (true/false)"
+    if base is int:
+        return "an int"
+    if base is float:
+        return "a float (or an int)"
+    if base in (str, pathlib.Path):
+        return "a string"
+    if base in (list, tuple, Sequence, typing.Sequence, list):
+        args = [a for a in typing.get_args(ann) if a is not Ellipsis]
+        if len(args) != 1 or _describe(args[0]) is _UNCHECKED:
+            return "a list"
+        return f"a list of {_shown(args[0])}"
+    if base in (dict, Mapping, typing.Mapping, dict):
+        return "a mapping"
+    return _UNCHECKED
+
+
+def _fits(value: Any, ann: Any) -> bool:
+    """Whether ``value`` (plain config data) can be passed for annotation ``ann``."""
+    if _describe(ann) is _UNCHECKED:
+        return True
+    origin = typing.get_origin(ann)
+    if ann is type(None) or ann is None:
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in typing.get_args(ann))
+    if origin is typing.Literal:
+        return value in typing.get_args(ann)
+    base = origin or ann
+    if base is bool:
+        return isinstance(value, bool)
+    if base is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base in (str, pathlib.Path):
+        return isinstance(value, (str, pathlib.Path))
+    if base in (list, tuple, Sequence, typing.Sequence, list):
+        if not isinstance(value, (list, tuple)):
+            return False
+        args = [a for a in typing.get_args(ann) if a is not Ellipsis]
+        return len(args) != 1 or all(_fits(v, args[0]) for v in value)
+    if base in (dict, Mapping, typing.Mapping, dict):
+        return isinstance(value, Mapping)
+    return True
+
+
+def _check_types(where: str, target: str, obj: Any, node: Mapping) -> None:
+    hints = _hints(obj)
+    for key, value in node.items():
+        if key.startswith("_") or key not in hints:
+            continue
+        if value == "???" or (isinstance(value, Mapping) and "_target_" in value):
+            continue  # missing (reported by Hydra) or a node instantiated on its own
+        ann = hints[key]
+        if _fits(value, ann):
+            continue
+        raise ConfigError(
+            f"{where}.{key}={value!r} must be {_describe(ann)} ({target}({key}: {_shown(ann)}))"
+            "; "
+            f"got a {type(value).__name__}"
+        )
 
 
 def check_node(where: str, node: Any) -> None:
@@ -63,6 +180,7 @@ def check_node(where: str, node: Any) -> None:
     ]
     if missing:
         raise ConfigError(f"{where}: {target} needs {missing}; set {where}.{missing[0]}=...")
+    _check_types(where, target, obj, node)
 
 
 def instantiate_checked(where: str, node: Any, **kwargs: Any) -> Any:

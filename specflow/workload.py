@@ -8,13 +8,19 @@ model's answer to turn i is part of the prompt of turn i+1).  Two sources:
   ``subcategory``), ``translation``, ``summarization``, ``qa``, ``math_reasoning``, ``rag``.
 - ``PromptFile``: a ``.txt`` file (one prompt per line) or a ``.jsonl`` file with ``turns``
   (or ``prompt``) and optional ``question_id``, ``category``, ``reference``.
+
+Inputs are checked when read: a line that is not a JSON object (or lacks its turns) is a
+``ConfigError`` naming the file and the line number; an empty or whitespace-only prompt or
+turn names the request id; filters that leave no request name the filters.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from specflow.errors import ConfigError
 
@@ -37,7 +43,85 @@ class Request:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+def _jsonl(path: Path, required: tuple[str, ...] = ()) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of each non-blank line of a JSONL file; a line that is not a
+    JSON object, or lacks every one of ``required`` (any one suffices), is a ConfigError
+    naming the file and the line."""
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"workload file {path}, line {number}: not valid JSON ({exc.msg} at column "
+                    f"{exc.colno}): {line.strip()[:80]!r}"
+                ) from None
+            if not isinstance(d, dict):
+                raise ConfigError(
+                    f"workload file {path}, line {number}: expected a JSON object, got "
+                    f"{type(d).__name__}"
+                )
+            if required and not any(k in d for k in required):
+                raise ConfigError(
+                    f"workload file {path}, line {number}: needs "
+                    f"{' or '.join(repr(k) for k in required)} (keys found: {sorted(d)})"
+                )
+            yield number, d
+
+
+def _turns(value: Any, path: Path, number: int) -> tuple[str, ...]:
+    turns = [value] if isinstance(value, str) else value
+    if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+        raise ConfigError(
+            f"workload file {path}, line {number}: turns must be a string or a list of "
+            f"strings, got {value!r:.80}"
+        )
+    return tuple(turns)
+
+
+def _check_prompts(requests: list[Request], source: object) -> None:
+    """No request without turns, and no empty or whitespace-only turn."""
+    for r in requests:
+        if not r.turns:
+            raise ConfigError(f"workload {source}: request {r.request_id!r} has no turns")
+        for i, turn in enumerate(r.turns):
+            if not turn.strip():
+                raise ConfigError(
+                    f"workload {source}: request {r.request_id!r} has an empty prompt (turn "
+                    f"{i + 1} of {len(r.turns)} is {turn!r}); fix or remove it"
+                )
+
+
 def _select(
+    requests: list[Request],
+    categories: list[str] | None,
+    limit: int | None,
+    per_category: int | None,
+    ids: list[str] | None = None,
+    source: object = "",
+) -> list[Request]:
+    """Apply the filters; leaving no request at all is a ConfigError naming them."""
+    total = len(requests)
+    selected = _filter(requests, categories, limit, per_category, ids)
+    if not selected:
+        filters = {
+            "ids": ids or None,
+            "categories": categories or None,
+            "per_category": per_category,
+            "limit": limit,
+        }
+        named = ", ".join(f"workload.{k}={v!r}" for k, v in filters.items() if v is not None)
+        raise ConfigError(
+            f"workload {source}: no requests to decode (the source has {total}"
+            + (f"; after the filters {named}" if named else "")
+            + "); loosen the filters or check the file"
+        )
+    return selected
+
+
+def _filter(
     requests: list[Request],
     categories: list[str] | None,
     limit: int | None,
@@ -106,30 +190,33 @@ class SpecBench:
 
     def requests(self) -> list[Request]:
         out = []
-        with self.path.open() as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                d = json.loads(line)
-                sub = d["category"] if d["category"] in MT_BENCH_SUBCATEGORIES else None
-                turns = tuple(d["turns"][: self.max_turns] if self.max_turns else d["turns"])
-                out.append(
-                    Request(
-                        request_id=str(d["question_id"]),
-                        category="mt_bench" if sub else d["category"],
-                        subcategory=sub,
-                        turns=turns,
-                        reference=d.get("reference"),
-                    )
+        for number, d in _jsonl(self.path, ("turns",)):
+            for key in ("question_id", "category"):
+                if key not in d:
+                    raise ConfigError(f"workload file {self.path}, line {number}: needs {key!r}")
+            all_turns = _turns(d["turns"], self.path, number)
+            sub = d["category"] if d["category"] in MT_BENCH_SUBCATEGORIES else None
+            turns = all_turns[: self.max_turns] if self.max_turns else all_turns
+            out.append(
+                Request(
+                    request_id=str(d["question_id"]),
+                    category="mt_bench" if sub else d["category"],
+                    subcategory=sub,
+                    turns=turns,
+                    reference=d.get("reference"),
                 )
+            )
+        _check_prompts(out, self.path)
         # Interleave categories so that `limit` gives a mix rather than one category.
         by_cat: dict[str, list[Request]] = {}
         for r in out:
             by_cat.setdefault(r.category, []).append(r)
         mixed: list[Request] = []
-        for i in range(max(len(v) for v in by_cat.values())):
+        for i in range(max((len(v) for v in by_cat.values()), default=0)):
             mixed += [v[i] for v in by_cat.values() if i < len(v)]
-        return _select(mixed, self.categories, self.limit, self.per_category, self.ids)
+        return _select(
+            mixed, self.categories, self.limit, self.per_category, self.ids, source=self.path
+        )
 
 
 class PromptFile:
@@ -155,22 +242,23 @@ class PromptFile:
 
     def requests(self) -> list[Request]:
         out: list[Request] = []
-        lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
-        for i, line in enumerate(lines):
-            if self.path.suffix == ".jsonl":
-                d = json.loads(line)
-                turns = d.get("turns") or [d["prompt"]]
+        if self.path.suffix == ".jsonl":
+            for i, (number, d) in enumerate(_jsonl(self.path, ("turns", "prompt"))):
+                raw = d.get("turns") or d.get("prompt")
                 out.append(
                     Request(
                         request_id=str(d.get("question_id", d.get("id", i))),
                         category=d.get("category", self.category),
-                        turns=tuple(turns),
+                        turns=_turns(raw, self.path, number),
                         reference=d.get("reference"),
                     )
                 )
-            else:
+        else:
+            lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
+            for i, line in enumerate(lines):
                 out.append(Request(request_id=str(i), category=self.category, turns=(line,)))
-        return _select(out, self.categories, self.limit, self.per_category)
+        _check_prompts(out, self.path)
+        return _select(out, self.categories, self.limit, self.per_category, source=self.path)
 
 
 class HumanEval:
@@ -201,4 +289,4 @@ class HumanEval:
             )
             for p in problems
         ]
-        return _select(out, None, self.limit, None, self.ids)
+        return _select(out, None, self.limit, None, self.ids, source="humaneval")
