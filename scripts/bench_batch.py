@@ -1,14 +1,15 @@
-"""CPU throughput of batched decoding vs batch size (plain decoding and PLD).
+"""CPU throughput of the engine vs batch size (plain decoding and PLD), per KV layout.
 
 Usage: python scripts/bench_batch.py [--model smollm2-135m] [--prompts 8] [--tokens 32]
                                      [--batches 1,2,4,8] [--repeats 3] [--threads N]
-                                     [--prompt-tokens 96]
+                                     [--prompt-tokens 96] [--kv contiguous,paged]
 
-For each method (``ar``, ``pld``) decodes the first ``--prompts`` Spec-Bench questions (first
-turns, chat template) ``--repeats`` times per batch size and prints the median throughput
-(new tokens / wall seconds across the batch) and the speedup over batch size 1 of the same
-method.  ``engine`` rows are the batch-1 engine (``SpeculativePipeline.generate``, one
-request after another) for reference.  EOS is ignored so every request makes ``--tokens``.
+For each method (``ar``, ``pld``) and KV layout, decodes the first ``--prompts`` Spec-Bench
+questions (first turns, chat template) ``--repeats`` times per batch size with the scheduler
+and prints the median throughput (new tokens / wall seconds across the batch) and the
+speedup over batch size 1 of the same method and layout.  ``engine`` rows are
+``SpeculativePipeline.generate`` (a batch of one, one request after another) for reference.
+EOS is ignored so every request makes ``--tokens``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repo ro
 
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
-from specflow.paged.batch_engine import BatchedPipeline, SeqRequest  # noqa: E402
+from specflow.models.stores import KVLayout  # noqa: E402
 from specflow.runner import RunSettings, build_prompt  # noqa: E402
+from specflow.scheduler import Scheduler, SeqRequest  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
 from stages.exact_acceptor import ExactAcceptor  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv", default="contiguous,paged", help="KV layouts to measure")
     ap.add_argument(
         "--prompt-tokens", type=int, default=96, help="keep the last N prompt tokens (0: all)"
     )
@@ -75,25 +78,30 @@ def main() -> None:
         f" tokens), {args.tokens} new tokens each, torch threads {torch.get_num_threads()}, "
         f"load {os.getloadavg()[0]:.2f}"
     )
-    print(f"{'method':<8}{'batch':>7}{'tok/s':>10}{'vs b1':>8}{'vs engine':>11}")
+    print(f"{'method':<8}{'kv':<12}{'batch':>7}{'tok/s':>10}{'vs b1':>8}{'vs engine':>11}")
     for method in ("ar", "pld"):
         drafter = PLDDrafter(k=8) if method == "pld" else None
         pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
         engine(pipe, prompts, args.tokens)  # warm-up
         eng = statistics.median(engine(pipe, prompts, args.tokens) for _ in range(args.repeats))
-        print(f"{method:<8}{'engine':>7}{eng:>10.1f}{'':>8}{1.0:>11.2f}")
-        base = None
-        for b in batches:
-            bp = BatchedPipeline(pipe, batch_size=b, max_context=max(map(len, prompts)) + 64)
-            reqs_b = [SeqRequest(p, args.tokens, stop_token_ids=()) for p in prompts]
-            bp.generate(reqs_b[:b])  # warm-up
-            runs = []
-            for _ in range(args.repeats):
-                bp.generate(reqs_b)
-                runs.append(bp.stats.tokens_per_s)
-            tps = statistics.median(runs)
-            base = base or tps
-            print(f"{method:<8}{b:>7}{tps:>10.1f}{tps / base:>8.2f}{tps / eng:>11.2f}")
+        print(f"{method:<8}{'':<12}{'engine':>7}{eng:>10.1f}{'':>8}{1.0:>11.2f}")
+        for kind in args.kv.split(","):
+            base = None
+            for b in batches:
+                sched = Scheduler(
+                    pipe, b, KVLayout(kind=kind), max_context=max(map(len, prompts)) + 64
+                )
+                reqs_b = [SeqRequest(p, args.tokens, stop_token_ids=()) for p in prompts]
+                sched.generate(reqs_b[:b])  # warm-up
+                runs = []
+                for _ in range(args.repeats):
+                    sched.generate(reqs_b)
+                    runs.append(sched.stats.tokens_per_s)
+                tps = statistics.median(runs)
+                base = base or tps
+                print(
+                    f"{method:<8}{kind:<12}{b:>7}{tps:>10.1f}{tps / base:>8.2f}{tps / eng:>11.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repo ro
 
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
+from specflow.models.stores import KVLayout  # noqa: E402
 from specflow.models.tiny import tiny_hf_model, tiny_model_info  # noqa: E402
 from specflow.paged.attention import flash_available  # noqa: E402
-from specflow.paged.batch_engine import BatchedPipeline, SeqRequest  # noqa: E402
+from specflow.scheduler import Scheduler, SeqRequest  # noqa: E402
 from stages.exact_acceptor import ExactAcceptor  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
@@ -58,21 +59,15 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 def run(lm, method: str, attention: str, batch: int, tokens: int) -> float:
     drafter = PLDDrafter(k=6) if method == "pld" else None
     pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
-    bp = BatchedPipeline(
-        pipe,
-        batch_size=batch,
-        device="cuda",
-        dtype="bfloat16",
-        attention=attention,
-        max_context=512,
-    )
+    layout = KVLayout(kind="paged", device="cuda", dtype="bfloat16", attention=attention)
+    sched = Scheduler(pipe, batch, layout, max_context=512)
     reqs = [SeqRequest(p, tokens, stop_token_ids=()) for p in prompts(max(batch, 4), 32000)]
-    bp.generate(reqs[:batch])  # warm-up
+    sched.generate(reqs[:batch])  # warm-up
     torch.cuda.synchronize()
-    bp.generate(reqs)
+    sched.generate(reqs)
     torch.cuda.synchronize()
-    bp.models.check_no_leaks()
-    return bp.stats.tokens_per_s
+    sched.kv.check_no_leaks()
+    return sched.stats.tokens_per_s
 
 
 def main() -> None:

@@ -83,6 +83,9 @@ class StandardAcceptor:
     def check(self, greedy: bool) -> None:
         pass
 
+    def check_draft_length(self, k: int) -> None:
+        pass
+
     def accept(self, state, draft, target_logits: torch.Tensor) -> Acceptance:  # noqa: ANN001
         from specflow.sampling import warp
 

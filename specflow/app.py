@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specflow.errors import SpecflowError
 from specflow.graph import build_pipeline, instantiate_checked
-from specflow.results import RunFolder
+from specflow.results import RunFolder, results_fingerprint
 from specflow.runner import Runner, RunSettings
 from specflow.state import SamplingParams
 
@@ -40,9 +40,9 @@ def run_from_config(cfg: DictConfig, out: Path | None = None) -> dict[str, Any]:
 
 
 def _run(cfg: DictConfig, out: Path) -> dict[str, Any]:
-    r = cfg.runner
-    if r.threads:
-        torch.set_num_threads(r.threads)
+    settings: RunSettings = OmegaConf.to_object(cfg.runner)  # checks every runner value
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     pipeline = build_pipeline(cfg)
     from specflow.models.loading import load_model
 
@@ -58,39 +58,15 @@ def _run(cfg: DictConfig, out: Path) -> dict[str, Any]:
         for name, node in (cfg.get("callbacks") or {}).items()
         if node is not None
     ]
-    settings = RunSettings(
-        max_new_tokens=r.max_new_tokens,
-        seed=r.seed,
-        warmup=r.warmup,
-        baseline=r.baseline,
-        baseline_cache=r.baseline_cache,
-        use_chat_template=r.use_chat_template,
-        system_prompt=r.system_prompt,
-        cache_dir=r.cache_dir,
-    )
     sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p)
-    if r.batch_size > 1 or r.device != "cpu":
-        from specflow.paged.batch_runner import BatchRunner
-
-        runner = BatchRunner(
-            pipeline,
-            target.tokenizer,
-            settings,
-            sampling,
-            callbacks,
-            batch_size=r.batch_size,
-            device=r.device,
-            attention=r.attention,
-            dtype=r.dtype,
-        )
-    else:
-        runner = Runner(pipeline, target.tokenizer, settings, sampling, callbacks)
-    folder = RunFolder(out, resume=cfg.resume)
+    runner = Runner(pipeline, target.tokenizer, settings, sampling, callbacks)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    folder = RunFolder(out, resume=cfg.resume, fingerprint=results_fingerprint(config))
     meta = {
         "method": cfg.method,
         "target_model": pipeline.info.name,
         "models": [info.name for info in pipeline.models()],
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": config,
     }
     summary = runner.run(workload.requests(), folder, meta)  # callbacks.console prints the table
     print(f"results: {folder.path.resolve()}")

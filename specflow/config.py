@@ -2,7 +2,9 @@
 
 ``conf/config.yaml`` starts from this schema (registered as ``specflow_schema``), so a
 misspelled key or a wrong type in a fixed-shape group (``model``, ``runner``,
-``sampling``) fails at composition, naming the key.  Stage groups (``drafter``,
+``sampling``) fails at composition, naming the key.  The ``runner`` group's schema is
+``specflow.runner.RunSettings`` itself (declared once; ``conf/runner/default.yaml`` adds
+nothing), and its values are checked when the run starts.  Stage groups (``drafter``,
 ``intermediate_verifier``, ``target_verifier``, ``acceptor``, ``selector``, ``workload``) are
 ``_target_`` nodes checked against the target's signature by ``specflow.graph``.
 """
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+
+from specflow.runner import RunSettings
 
 
 @dataclass
@@ -34,27 +38,10 @@ class SamplingConfig:
 
 
 @dataclass
-class RunnerConfig:
-    max_new_tokens: int = 128
-    seed: int = 0
-    warmup: bool = True
-    baseline: bool = True  # also run plain decoding of the target (speedup, fidelity)
-    baseline_cache: bool = True  # reuse plain-decoding results across runs on this machine
-    use_chat_template: bool = True
-    system_prompt: str | None = None
-    threads: int | None = None  # torch threads (default: torch's choice)
-    cache_dir: str | None = None  # default $SPECFLOW_CACHE or ~/.cache/specflow
-    batch_size: int = 1  # > 1: batched decoding over a paged KV cache (specflow.paged)
-    device: str = "cpu"  # cpu | cuda (batched path; cuda implies it)
-    attention: str = "auto"  # auto | sdpa | flash (batched path)
-    dtype: str | None = None  # batched path: float32 | bfloat16 | float16 (null: model.dtype)
-
-
-@dataclass
 class ObjectiveConfig:
     """What ``run.py`` returns to a Hydra sweeper (``callbacks.sweep.objective``)."""
 
-    metric: str = "throughput/speedup"  # a slash-named metric of callbacks.metrics
+    metric: str = "throughput/speedup"  # a slash-named metric of specflow.metrics
     accuracy_floor: float | None = None  # quality/accuracy_ratio below this scores 0.0
 
 
@@ -71,7 +58,7 @@ class RunConfig:
     selector: Any = None
     workload: Any = None
     callbacks: Any = field(default_factory=dict)
-    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    runner: RunSettings = field(default_factory=RunSettings)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from specflow.errors import ConfigError
 from specflow.models.base import LayeredLM
+from specflow.models.native import NativeLM
+from specflow.models.session import forward_exit_hidden, forward_hidden
 from specflow.sampling import choose
 from specflow.state import DecodeState, Draft
 
@@ -36,15 +38,15 @@ class SubVocabHead:
 
     @staticmethod
     def check_supported(lm: LayeredLM) -> None:
-        """Raise ``ConfigError`` unless ``lm`` exposes an LM head to slice (native backend)."""
-        if getattr(lm, "lm_head", None) is None or not hasattr(lm, "head_input"):
+        """Raise ``ConfigError`` unless ``lm`` has an LM head to slice (native backend)."""
+        if not isinstance(lm, NativeLM):
             raise ConfigError(
                 f"drafter.vocab_subset needs the native backend (an LM head it can slice); "
                 f"{lm.info.name} runs on another backend: set drafter.vocab_subset=null"
             )
 
     @classmethod
-    def build(cls, lm: LayeredLM, top_ids: int, always: list[int]) -> SubVocabHead:
+    def build(cls, lm: NativeLM, top_ids: int, always: list[int]) -> SubVocabHead:
         """Keep ids ``0..top_ids-1`` plus ``always`` (e.g. the prompt's tokens and EOS).
 
         Byte-level BPE vocabularies (Qwen, Llama 3, SmolLM) number their tokens in merge
@@ -52,15 +54,15 @@ class SubVocabHead:
         the Qwen2.5 and SmolLM2 models here generate on Spec-Bench.
         """
         cls.check_supported(lm)
-        weight = lm.lm_head  # type: ignore[attr-defined]  # [V, H]
+        weight = lm.lm_head  # [V, H]
         vocab = lm.info.vocab_size
         extra = torch.tensor([t for t in always if 0 <= t < vocab], dtype=torch.long)
         ids = torch.cat([torch.arange(min(top_ids, vocab)), extra]).unique()  # sorted
         return cls(ids, weight.index_select(0, ids.to(weight.device)).contiguous(), vocab)
 
-    def logits(self, lm: LayeredLM, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
+    def logits(self, lm: NativeLM, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
         """``h_exit [T, H] -> logits [T, N]`` (float32) over the subset."""
-        x = lm.head_input(hidden, exit_layer)  # type: ignore[attr-defined]  # [T, H]
+        x = lm.head_input(hidden, exit_layer)  # [T, H]
         return F.linear(x, self.weight).float()  # [T, N]
 
     def to_vocab(self, probs: torch.Tensor) -> torch.Tensor:
@@ -70,53 +72,83 @@ class SubVocabHead:
 
 
 def draft_with_model(
-    state: DecodeState,
+    states: list[DecodeState],
     lm: LayeredLM,
     exit_layer: int,
-    k: int,
+    ks: list[int],
     min_confidence: float = 0.0,
-    subvocab: SubVocabHead | None = None,
-) -> Draft:
-    """Propose up to ``k`` tokens from ``lm`` at ``exit_layer``, one forward pass each.
+    subvocabs: list[SubVocabHead | None] | None = None,
+) -> list[Draft]:
+    """Propose up to ``ks[i]`` tokens for each request from ``lm`` at ``exit_layer``.
 
-    Drafting stops early when the drafter's top probability (temperature 1) falls below
-    ``min_confidence`` (the token is still proposed: it is often right, and stopping after
-    it saves the next, likelier-wrong steps).
+    Drafting step j is ONE batched forward of one token for every request still drafting
+    (``ks[i] > j``, not stopped).  A request stops early when the drafter's top probability
+    (temperature 1) falls below ``min_confidence`` (the token is still proposed: it is
+    often right, and stopping after it saves the next, likelier-wrong steps).
 
-    The model's session first syncs to the committed tokens: it catches up on tokens
+    Each request's session first syncs to its committed tokens: it catches up on tokens
     committed since it last ran and drops its rejected drafts.  Greedy: argmax, q = None;
-    sampling: tokens drawn from the warped distributions, returned as q ``[k, V]``.
-    With ``subvocab`` the drafter's head covers only that subset of the vocabulary.
+    sampling: tokens drawn from the warped distributions (each request's own generator), q
+    ``[k, V]``.  With ``subvocabs[i]`` request i's head covers only that vocabulary subset.
     A catch-up of more than one position (the lazy prefill, or tokens committed while the
-    drafter sat idle) runs first and is timed apart (``Draft.catchup_s``), so the time of
-    the k drafting steps stays measurable; the usual one position left by the previous
+    drafter sat idle) runs first, batched, and is timed apart (``Draft.catchup_s``), so the
+    time of the drafting steps stays measurable; the usual one position left by the previous
     round (its bonus token) rides along with the first step, in one forward pass.
     """
-    session = state.session(lm)
-    session.set_tokens(state.tokens)
-    catchup_s = 0.0
-    behind = len(session.tokens) - 1 - session.computed(exit_layer - 1)
-    if behind > 1:  # more than the usual one token of the previous round: a real catch-up
+    subvocabs = subvocabs or [None] * len(states)
+    sessions = [st.session(lm) for st in states]
+    for sess, st in zip(sessions, states, strict=True):
+        sess.set_tokens(st.tokens)
+    behind = [
+        i
+        for i, sess in enumerate(sessions)
+        if ks[i] > 0 and len(sess.tokens) - 1 - sess.computed(exit_layer - 1) > 1
+    ]
+    catchup_s = [0.0] * len(states)
+    if behind:  # more than the usual one token of the previous round: a real catch-up
         start = time.perf_counter()
-        session.hidden(exit_layer, len(session.tokens) - 1)  # computes only what is missing
-        catchup_s = time.perf_counter() - start
-    tokens: list[int] = []
-    q_rows: list[torch.Tensor] = []
-    for _ in range(k):
-        n = len(session.tokens)
-        if subvocab is None:
-            logits = session.logits(exit_layer, n - 1, n)  # [1, V]
-            ids, probs = choose(logits, state.sampling, state.generator)
-        else:
-            hidden = session.exit_hidden(exit_layer, n - 1, n)  # [1, H]
-            logits = subvocab.logits(lm, hidden, exit_layer)  # [1, N]
-            picked, probs = choose(logits, state.sampling, state.generator)
-            ids = subvocab.ids[picked].tolist()
-            probs = None if probs is None else subvocab.to_vocab(probs)  # [1, V]
-        session.extend(ids)
-        tokens += ids
-        if probs is not None:
-            q_rows.append(probs)
-        if min_confidence > 0.0 and float(logits.softmax(-1).max()) < min_confidence:
-            break
-    return Draft(tokens, torch.cat(q_rows) if q_rows else None, catchup_s=catchup_s)
+        forward_hidden([(sessions[i], exit_layer, len(sessions[i].tokens) - 1) for i in behind])
+        spent = time.perf_counter() - start
+        for i in behind:
+            catchup_s[i] = spent
+    tokens: list[list[int]] = [[] for _ in states]
+    q_rows: list[list[torch.Tensor]] = [[] for _ in states]
+    active = [i for i, k in enumerate(ks) if k > 0]
+    model = sessions[0].model if sessions else lm
+    step = 0
+    while active:
+        queries = [
+            (sessions[i], exit_layer, len(sessions[i].tokens) - 1, len(sessions[i].tokens))
+            for i in active
+        ]
+        hidden = forward_exit_hidden(queries)  # each [1, H]
+        full = [j for j, i in enumerate(active) if subvocabs[i] is None]
+        logits: list[torch.Tensor | None] = [None] * len(active)
+        if full:
+            rows = model.head(torch.cat([hidden[j] for j in full]), exit_layer).cpu()  # [F, V]
+            for r, j in enumerate(full):
+                logits[j] = rows[r : r + 1]
+        still = []
+        for j, i in enumerate(active):
+            st, sub = states[i], subvocabs[i]
+            if sub is None:
+                row = logits[j]
+                ids, probs = choose(row, st.sampling, st.generator)
+            else:
+                row = sub.logits(model, hidden[j], exit_layer).cpu()  # [1, N]
+                picked, probs = choose(row, st.sampling, st.generator)
+                ids = sub.ids[picked].tolist()
+                probs = None if probs is None else sub.to_vocab(probs)  # [1, V]
+            sessions[i].extend(ids)
+            tokens[i] += ids
+            if probs is not None:
+                q_rows[i].append(probs)
+            confident = min_confidence <= 0.0 or float(row.softmax(-1).max()) >= min_confidence
+            if confident and ks[i] > step + 1:
+                still.append(i)
+        active = still
+        step += 1
+    return [
+        Draft(t, torch.cat(q) if q else None, catchup_s=c)
+        for t, q, c in zip(tokens, q_rows, catchup_s, strict=True)
+    ]

@@ -1,4 +1,4 @@
-"""The engine: a speculative pipeline and its round loop.
+"""The engine: a speculative pipeline and its round, batch-first.
 
 A ``SpeculativePipeline`` is ``drafter -> [intermediate verifier] -> target verifier ->
 acceptor``.  Plain decoding is the pipeline without a drafter (every round drafts 0 tokens
@@ -11,17 +11,18 @@ lossless rule and which accumulates ``intermediate_verifier.accumulate`` provisi
 accepted tokens (N_i) before the outer target verifier runs.  Its time is reported as
 ``intermediate_s`` (its verification) inside the outer ``draft_s``.
 
-One round (``run_round``):
-  1. k = min(drafter.k, tokens still to generate - 1)            (never draft past the end)
-     k = draft_length.choose(state, k)                  (optional policy; 0 = a plain round)
-  2. draft = drafter.propose(state, k)                           time/draft_s
-  3. logits = target_verifier.score(state, draft)  # [k+1, V]    time/verify_s
-  4. verdict = acceptor.accept(state, draft, logits)             time/accept_s
-     if the drafter proposed (k > 0) and has ``observe``:
-     drafter.observe(state, draft, logits, verdict)  (a pool's bandit reward; in accept_s)
-  5. commit draft[:accepted] + [next_token]; stats: rounds += 1, accepted += accepted.
+One round (``run_round``) runs over a batch of requests (batch 1 is a batch of one; the
+scheduler, ``specflow.scheduler``, admits and retires requests between rounds):
+  1. per request i: k_i = min(drafter.k, tokens still to generate - 1)  (never past the end)
+     k_i = draft_length.choose(state_i, k_i)     (optional policy, per request; 0 = plain)
+  2. drafts = drafter.propose(states with k_i > 0, their k_i)           time/draft_s
+  3. logits = target_verifier.score(states, drafts)  # [k_i+1, V] each  time/verify_s
+  4. verdict_i = acceptor.accept(state_i, draft_i, logits_i)            time/accept_s
+     drafter.observe(drafting states, ...)       (a pool's bandit reward; in accept_s)
+  5. per request: draft_length.observe(...), stats, commit draft[:accepted] + [next_token].
 Every stage reads the committed tokens from ``state.tokens``; model sessions sync to them
-lazily (rollback of rejected drafts is implicit, see ``specflow.models.session``).
+lazily (rollback of rejected drafts is implicit, see ``specflow.models.session``) and run
+one batched forward per step for the whole batch (``forward_hidden``).
 """
 
 from __future__ import annotations
@@ -32,17 +33,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specflow.errors import ConfigError, PromptTooLongError
+from specflow.errors import ConfigError
 from specflow.models.base import ModelInfo, check_same_tokenizer
 from specflow.protocols import (
     Acceptor,
     Drafter,
     DraftLengthPolicy,
     IntermediateVerifier,
+    ModelUse,
     TargetVerifier,
 )
 from specflow.sampling import warp
-from specflow.state import DecodeState, Draft, RoundStats, SamplingParams, StageTimes
+from specflow.state import (
+    Acceptance,
+    DecodeState,
+    Draft,
+    RequestLocal,
+    RoundStats,
+    SamplingParams,
+    StageTimes,
+)
 
 
 @dataclass
@@ -123,6 +133,7 @@ class SpeculativePipeline:
         self.name = name
         self.level = level
         self.k = k
+        self._inner: RequestLocal[DecodeState] = RequestLocal(self._new_inner)
         self._check_graph()
 
     # ------------------------------------------------------------------ validation
@@ -131,9 +142,7 @@ class SpeculativePipeline:
         if self.drafter is not None:
             for info in self.drafter.models():
                 check_same_tokenizer(info, target)
-            check_k = getattr(self.acceptor, "check_draft_length", None)
-            if check_k is not None:
-                check_k(self.drafter.k)
+            self.acceptor.check_draft_length(self.drafter.k)
 
     def models(self) -> list[ModelInfo]:
         """Every model this pipeline runs (``Drafter`` protocol)."""
@@ -142,56 +151,88 @@ class SpeculativePipeline:
             infos += self.drafter.models()
         return infos
 
+    def uses(self) -> list[ModelUse]:
+        """Every model session this pipeline runs: the target's, then the drafter's."""
+        uses = self.target_verifier.uses()
+        if self.drafter is not None:
+            uses += self.drafter.uses()
+        return uses
+
     @property
     def info(self) -> ModelInfo:
         return self.target_verifier.info
 
     # ------------------------------------------------------------------ one round
-    def begin(self, state: DecodeState) -> None:
-        """Start a request: every stage prefills / resets."""
-        self.target_verifier.begin(state)
+    def begin(self, states: list[DecodeState]) -> None:
+        """New requests start: every stage prefills / resets (batched)."""
+        self.target_verifier.begin(states)
         if self.draft_length is not None:
-            self.draft_length.begin(state)
+            for st in states:
+                self.draft_length.begin(st)
         if self.drafter is not None:
-            self.drafter.begin(state)
+            self.drafter.begin(states)
 
-    def run_round(self, state: DecodeState, budget: int) -> tuple[list[int], torch.Tensor]:
-        """One round committing at most ``budget`` (>= 1) tokens to ``state.tokens``.
+    def run_round(
+        self, states: list[DecodeState], budgets: list[int]
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """One round over a batch: request i commits at most ``budgets[i]`` (>= 1) tokens.
 
-        Returns the committed tokens and the target logits ``[k+1, V]`` of the round (a
-        nesting pipeline uses them as its q).
+        Returns per request the committed tokens and the target logits ``[k_i+1, V]`` of
+        the round (a nesting pipeline uses them as its q).  Stages run once for the batch
+        (one drafting forward per step, one verification forward); acceptance, the
+        draft-length policy and the statistics are per request.  Every request waited for
+        the whole batched stage, so each is charged its full time.
         """
-        times, stats = state.times, state.stats
-        k = 0
+        ks = [0] * len(states)
         if self.drafter is not None:
-            k = min(self.drafter.k, budget - 1)
-            if self.draft_length is not None and k > 0:
-                k = self.draft_length.choose(state, k)
-        stats.chosen_k.append(k)
+            for i, (st, budget) in enumerate(zip(states, budgets, strict=True)):
+                k = min(self.drafter.k, budget - 1)
+                if self.draft_length is not None and k > 0:
+                    k = self.draft_length.choose(st, k)
+                ks[i] = k
+        drafting = [i for i, k in enumerate(ks) if k > 0]
         t0 = self.clock()
-        draft = self.drafter.propose(state, k) if k > 0 else Draft([])
-        t1 = self.clock()
-        times.draft_s += t1 - t0
-        logits = self.target_verifier.score(state, draft)  # [k+1, V]
-        t2 = self.clock()
-        times.verify_s += t2 - t1
-        verdict = self.acceptor.accept(state, draft, logits)
-        observe = getattr(self.drafter, "observe", None) if k > 0 else None
-        if observe is not None:  # optional drafter hook, e.g. a bandit's reward (MetaSD)
-            observe(state, draft, logits, verdict)
-        times.accept_s += self.clock() - t2
-        accepted = verdict.num_accepted
-        if self.draft_length is not None:
-            # The drafter's catch-up (lazy prefill, tokens committed while it sat idle) is
-            # not a per-token drafting cost: leave it out of the policy's t_draft.
-            draft_s = max(0.0, t1 - t0 - draft.catchup_s)
-            self.draft_length.observe(
-                state, draft.k, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
+        drafts = [Draft([]) for _ in states]
+        if drafting:
+            proposed = self.drafter.propose(
+                [states[i] for i in drafting], [ks[i] for i in drafting]
             )
-        stats.record_round(self.level, draft.k, accepted)
-        new = draft.tokens[:accepted] + [verdict.next_token]
-        state.tokens.extend(new)
-        return new, logits
+            for i, draft in zip(drafting, proposed, strict=True):
+                drafts[i] = draft
+        t1 = self.clock()
+        logits = self.target_verifier.score(states, drafts)  # each [k_i+1, V]
+        t2 = self.clock()
+        verdicts = [
+            self.acceptor.accept(st, d, lg)
+            for st, d, lg in zip(states, drafts, logits, strict=True)
+        ]
+        if drafting:  # a drafter's hook, e.g. a bandit's reward (MetaSD)
+            self.drafter.observe(
+                [states[i] for i in drafting],
+                [drafts[i] for i in drafting],
+                [logits[i] for i in drafting],
+                [verdicts[i] for i in drafting],
+            )
+        t3 = self.clock()
+        out = []
+        for st, k, draft, verdict, lg in zip(states, ks, drafts, verdicts, logits, strict=True):
+            st.stats.chosen_k.append(k)
+            st.times.draft_s += t1 - t0
+            st.times.verify_s += t2 - t1
+            st.times.accept_s += t3 - t2
+            accepted = verdict.num_accepted
+            if self.draft_length is not None:
+                # The drafter's catch-up (lazy prefill, tokens committed while it sat idle)
+                # is not a per-token drafting cost: leave it out of the policy's t_draft.
+                draft_s = max(0.0, t1 - t0 - draft.catchup_s) if k > 0 else 0.0
+                self.draft_length.observe(
+                    st, draft.k, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
+                )
+            st.stats.record_round(self.level, draft.k, accepted)
+            new = draft.tokens[:accepted] + [verdict.next_token]
+            st.tokens.extend(new)
+            out.append((new, lg))
+        return out
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -203,111 +244,84 @@ class SpeculativePipeline:
         stop_token_ids: tuple[int, ...] | None = None,
         on_round: Callable[[dict[str, int]], None] | None = None,
     ) -> Generation:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt`` (stop at EOS).
+        """Generate up to ``max_new_tokens`` tokens after ``prompt`` (stop at EOS): a batch of
+        one through ``specflow.scheduler.Scheduler`` with contiguous KV.
 
         ``on_round`` (optional) is called after every round with ``{"round", "k",
         "drafted", "accepted", "committed"}`` (the round-end hook of callbacks).
         """
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampling = sampling or SamplingParams()
-        self.acceptor.check(sampling.greedy)
-        limit = min(info.max_positions for info in self.models())
-        if len(prompt) + max_new_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                f"context of {limit} positions ({self.info.name}); shorten the prompt or set "
-                f"runner.max_new_tokens <= {max(limit - len(prompt), 0)}"
-            )
-        stop_ids = set(self.info.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        generator = torch.Generator().manual_seed(seed)
-        state = DecodeState(
-            tokens=list(prompt),
-            prompt_len=len(prompt),
-            max_len=len(prompt) + max_new_tokens + 1,
-            sampling=sampling,
-            generator=generator,
-        )
-        start = self.clock()
-        self.begin(state)
-        state.times.prefill_s = self.clock() - start
-        stop_reason = "length"
-        while state.num_generated < max_new_tokens:
-            before = len(state.tokens)
-            new, _ = self.run_round(state, max_new_tokens - state.num_generated)
-            if on_round is not None:
-                s = state.stats
-                on_round({
-                    "round": s.rounds,
-                    "k": s.chosen_k[-1],
-                    "drafted": s.drafted_per_round[-1],
-                    "accepted": s.accepted_per_round[-1],
-                    "committed": len(new),
-                })
-            hit = next((i for i, t in enumerate(new) if t in stop_ids), None)
-            if hit is not None:
-                del state.tokens[before + hit + 1 :]
-                stop_reason = "eos"
-                break
-        total = self.clock() - start
-        return Generation(
-            tokens=state.tokens[state.prompt_len :],
-            stats=state.stats,
-            times=state.times,
-            total_s=total,
-            stop_reason=stop_reason,
-            nested_stats=state.nested_stats,
-            nested_times=state.nested_times,
-        )
+        from specflow.scheduler import Scheduler, SeqRequest
+
+        hook = None if on_round is None else (lambda _req, event: on_round(event))
+        request = SeqRequest(prompt, max_new_tokens, seed, stop_token_ids=stop_token_ids)
+        (result,) = Scheduler(self, batch_size=1).generate([request], sampling, on_round=hook)
+        return result.generation
 
     # ------------------------------------------------------------------ as a drafter
-    def propose(self, state: DecodeState, k: int) -> Draft:
-        """Draft ``k`` tokens for an outer pipeline by running this pipeline's rounds.
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        """Draft ``ks[i]`` tokens per request for an outer pipeline by running this
+        pipeline's rounds (batched) until every request has its tokens.
 
         The tokens follow this pipeline's target (lossless acceptor: its distribution), so
         q for the outer rule is this target's warped distribution at each committed token.
         """
-        inner = self._inner_state(state)
-        inner.tokens = list(state.tokens)
-        start = len(inner.tokens)
-        q_rows: list[torch.Tensor] = []
-        while len(inner.tokens) - start < k:
-            new, logits = self.run_round(inner, k - (len(inner.tokens) - start))
-            if not state.sampling.greedy:
-                q_rows.append(warp(logits[: len(new)], state.sampling))
-        tokens = inner.tokens[start : start + k]
-        probs = torch.cat(q_rows)[:k] if q_rows else None
-        return Draft(tokens, probs)
+        inners = [self._inner.get(st) for st in states]
+        for inner, st in zip(inners, states, strict=True):
+            inner.tokens = list(st.tokens)
+        starts = [len(inner.tokens) for inner in inners]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in states]
+        while True:
+            todo = [i for i, inner in enumerate(inners) if len(inner.tokens) - starts[i] < ks[i]]
+            if not todo:
+                break
+            budgets = [ks[i] - (len(inners[i].tokens) - starts[i]) for i in todo]
+            results = self.run_round([inners[i] for i in todo], budgets)
+            for i, (new, logits) in zip(todo, results, strict=True):
+                if not states[i].sampling.greedy:
+                    q_rows[i].append(warp(logits[: len(new)], states[i].sampling))
+        drafts = []
+        for i, inner in enumerate(inners):
+            toks = inner.tokens[starts[i] : starts[i] + ks[i]]
+            probs = torch.cat(q_rows[i])[: ks[i]] if q_rows[i] else None
+            drafts.append(Draft(toks, probs))
+        return drafts
 
-    def _inner_state(self, state: DecodeState) -> DecodeState:
+    def observe(
+        self,
+        states: list[DecodeState],
+        drafts: list[Draft],
+        target_logits: list[torch.Tensor],
+        verdicts: list[Acceptance],
+    ) -> None:
+        """``Drafter`` hook: nothing (this pipeline's own drafter observed its rounds)."""
+
+    def _new_inner(self, state: DecodeState) -> DecodeState:
         """This pipeline's own state inside an outer request (shares the model sessions)."""
-        inner = state.scratch.get(id(self))
-        if not isinstance(inner, DecodeState):
-            inner = DecodeState(
-                tokens=list(state.tokens),
-                prompt_len=state.prompt_len,
-                max_len=state.max_len,
-                sampling=state.sampling,
-                generator=state.generator,
-                sessions=state.sessions,
-                times=state.nested_times.setdefault(self.level, StageTimes()),
-                scratch=state.scratch,
-                nested_stats=state.nested_stats,
-                nested_times=state.nested_times,
-            )
-            inner.stats = state.stats_for_level(self.level)
-            state.scratch[id(self)] = inner
+        inner = DecodeState(
+            tokens=list(state.tokens),
+            prompt_len=state.prompt_len,
+            max_len=state.max_len,
+            sampling=state.sampling,
+            generator=state.generator,
+            kv=state.kv,
+            seq_id=state.seq_id,
+            sessions=state.sessions,
+            times=state.nested_times.setdefault(self.level, StageTimes()),
+            locals=state.locals,
+            nested_stats=state.nested_stats,
+            nested_times=state.nested_times,
+        )
+        inner.stats = state.stats_for_level(self.level)
         return inner
 
 
-def check_exit_order(drafter: object, intermediate: object) -> None:
+def check_exit_order(drafter: Drafter, intermediate: IntermediateVerifier) -> None:
     """A drafter on the intermediate verifier's model must exit below it (L_d < L_i)."""
-    same_model = getattr(drafter, "lm", None) is getattr(intermediate, "lm", object())
-    d_exit, i_exit = getattr(drafter, "exit_layer", None), getattr(intermediate, "exit_layer", None)
-    if same_model and d_exit is not None and i_exit is not None and d_exit >= i_exit:
-        raise ConfigError(
-            f"drafter.exit_layer={d_exit} must be below intermediate_verifier.exit_layer="
-            f"{i_exit}: the intermediate verifier continues from the drafter's hidden states"
-        )
+    for mine in intermediate.uses():
+        for use in drafter.uses():
+            if use.lm is mine.lm and use.exit_layer >= mine.exit_layer:
+                raise ConfigError(
+                    f"drafter.exit_layer={use.exit_layer} must be below "
+                    f"intermediate_verifier.exit_layer={mine.exit_layer}: the intermediate "
+                    f"verifier continues from the drafter's hidden states"
+                )

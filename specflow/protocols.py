@@ -1,26 +1,42 @@
 """The roles a stage can play.  Stages are plain classes chosen by config (``_target_``);
-they satisfy these protocols structurally, with no base class to inherit from.
+they satisfy these protocols structurally, with no base class to inherit from.  Every
+member that the engine or another stage calls is declared here.
 
-A round (see ``specflow.state``) is::
+Stages are batch-first: a round runs over a batch of requests (``states``, one
+``DecodeState`` each; batch 1 is a list of one).  A round (see ``specflow.engine``) is::
 
-    draft = drafter.propose(state, k)                    # k tokens (+ q when sampling)
-    logits = target_verifier.score(state, draft)         # [k+1, V] target logits
-    verdict = acceptor.accept(state, draft, logits)      # accepted prefix + bonus token
+    drafts = drafter.propose(states, ks)                       # k_i tokens (+ q when sampling)
+    logits = target_verifier.score(states, drafts)             # [k_i+1, V] target logits each
+    verdict_i = acceptor.accept(state_i, draft_i, logits_i)    # accepted prefix + bonus token
+    drafter.observe(states, drafts, logits, verdicts)          # e.g. a bandit's reward
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from specflow.models.base import ModelInfo
+from specflow.models.base import LayeredLM, ModelInfo
 from specflow.state import Acceptance, DecodeState, Draft
+
+
+@dataclass(frozen=True)
+class ModelUse:
+    """A model a stage runs and the exit it reads (its session's deepest layer needed).
+
+    Used to place models, size KV pools, bring an idle drafter's session up to date, and
+    check exit orders (HiSpec: the drafter exits below the intermediate verifier).
+    """
+
+    lm: LayeredLM
+    exit_layer: int
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes draft tokens continuing ``state.tokens``.
+    """Proposes draft tokens continuing each request's ``state.tokens``.
 
     ``k`` is the drafter's default draft length (the pipeline caps it near the end).
     """
@@ -28,28 +44,44 @@ class Drafter(Protocol):
     name: str
     k: int
 
-    def begin(self, state: DecodeState) -> None:
-        """A new request starts (reset per-request state; prefill may happen here)."""
+    def begin(self, states: list[DecodeState]) -> None:
+        """New requests start (reset per-request state; prefill may happen here)."""
 
-    def propose(self, state: DecodeState, k: int) -> Draft:
-        """Propose up to ``k`` tokens continuing ``state.tokens`` (may return fewer, even 0)."""
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        """Up to ``ks[i]`` (>= 1) tokens continuing ``states[i].tokens`` (fewer, even 0, ok)."""
+
+    def observe(
+        self,
+        states: list[DecodeState],
+        drafts: list[Draft],
+        target_logits: list[torch.Tensor],
+        verdicts: list[Acceptance],
+    ) -> None:
+        """After acceptance, for the requests that drafted this round (a pool's reward)."""
 
     def models(self) -> list[ModelInfo]:
         """Models this drafter runs (for tokenizer / depth checks); [] for model-free ones."""
 
+    def uses(self) -> list[ModelUse]:
+        """The model sessions this drafter drafts with; [] for model-free ones."""
+
 
 @runtime_checkable
 class TargetVerifier(Protocol):
-    """Scores a draft with the target model in one forward pass."""
+    """Scores drafts with the target model in one batched forward pass."""
 
     info: ModelInfo
 
-    def begin(self, state: DecodeState) -> None:
-        """A new request starts: prefill the prompt."""
+    def begin(self, states: list[DecodeState]) -> None:
+        """New requests start: prefill their prompts (one batched forward)."""
 
-    def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        """Target logits ``[k+1, V]``: row i is the target's distribution for draft
-        position i given the committed tokens and ``draft.tokens[:i]`` (row k: the bonus)."""
+    def score(self, states: list[DecodeState], drafts: list[Draft]) -> list[torch.Tensor]:
+        """Target logits ``[k_i+1, V]`` per request: row j is the target's distribution for
+        draft position j given the committed tokens and ``draft.tokens[:j]`` (row k_i: the
+        bonus)."""
+
+    def uses(self) -> list[ModelUse]:
+        """The model session this verifier scores with (the target at its exit)."""
 
 
 @runtime_checkable
@@ -66,35 +98,54 @@ class IntermediateVerifier(TargetVerifier, Protocol):
 
 @runtime_checkable
 class Acceptor(Protocol):
-    """Decides how much of a draft to keep, and the target's bonus / correction token."""
+    """Decides how much of a draft to keep, and the target's bonus / correction token.
+
+    Acceptance is per request (each sequence keeps its own prefix: ragged batches)."""
 
     lossless: bool
 
     def check(self, greedy: bool) -> None:
-        """Raise ``ConfigError`` when this acceptor cannot work with the sampling mode.
+        """Raise ``ConfigError`` when this acceptor cannot work with the sampling mode."""
 
-        An acceptor may also define ``check_draft_length(k)``, called when the pipeline is
-        built, to refuse a draft length it cannot work with (FLy: window >= k).
-        """
+    def check_draft_length(self, k: int) -> None:
+        """Raise ``ConfigError`` when this acceptor cannot work with drafts of up to ``k``
+        tokens (FLy: its window must be below k); called when the pipeline is built."""
 
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
         """``target_logits [k+1, V]`` -> accepted prefix length and next token."""
 
 
+@dataclass
+class BanditStats:
+    """What a selector knows: per arm (discounted) pulls and summed rewards, and the pool
+    rounds so far.  A selector starts each request from one (``Selector.begin``): a fresh
+    one (MetaSD resets per request), or one shared by every request of the run."""
+
+    counts: list[float] = field(default_factory=list)
+    sums: list[float] = field(default_factory=list)
+    rounds: int = 0
+
+
 @runtime_checkable
 class Selector(Protocol):
-    """Chooses which drafter of a pool drafts this round (MetaSD); ``single`` always arm 0."""
+    """Chooses which drafter of a pool drafts a request's round (MetaSD)."""
 
-    def begin(self, num_arms: int) -> None: ...
+    def begin(self, num_arms: int) -> BanditStats:
+        """The statistics a new request starts from."""
 
-    def select(self) -> int: ...
+    def select(self, stats: BanditStats) -> int:
+        """The arm for this round."""
 
-    def update(self, arm: int, reward: float) -> None: ...
+    def update(self, stats: BanditStats, arm: int, reward: float) -> None:
+        """The chosen arm's reward in [0, 1]."""
 
 
 @runtime_checkable
 class DraftLengthPolicy(Protocol):
-    """Chooses the draft length k of each round (0 = skip drafting: a plain round)."""
+    """Chooses the draft length k of each request's round (0 = skip drafting: a plain round).
+
+    Per request: its evidence lives in the request's state, so every sequence of a batch
+    has its own k."""
 
     def begin(self, state: DecodeState) -> None: ...
 

@@ -1,10 +1,18 @@
 """Run a pipeline over a workload, next to plain decoding, and write the results.
 
-For every request (conversation), turn by turn: build the prompt (chat template when the
-tokenizer has one), decode it with plain decoding of the target (the *baseline*, cached
-on disk per model + prompt + settings + machine so sweeps don't repeat it) and with the
-method, compare the outputs (fidelity), score the task, and append the record to
-``requests.jsonl`` before moving on.  Warm-up generations run first and are not timed.
+Every request (conversation) is decoded turn by turn (the chat template when the tokenizer
+has one; turn i+1's prompt holds turn i's answer) by the scheduler
+(``specflow.scheduler``), with up to ``runner.batch_size`` requests at once, and by plain
+decoding of the target (the *baseline*) at the same batch size.  Then the outputs are
+compared (fidelity), the task is scored, and the record is appended to ``requests.jsonl``
+as soon as the request is done.  Warm-up generations run first and are not timed.
+
+- Batch size 1: request by request, the baseline right before the method (side by side);
+  the baseline may come from a cache on disk (per model + prompt + settings + machine) when
+  ``runner.baseline_cache`` is on.
+- Batch size N: a baseline pass over the workload, then the method's pass, each with
+  continuous batching; a record's ``total_s`` is the request's latency (admission to
+  finish), and ``summary["batch"]`` has the throughput across the batch of both.
 """
 
 from __future__ import annotations
@@ -14,8 +22,9 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,8 +32,12 @@ import torch
 
 from specflow.acceptance import StandardAcceptor
 from specflow.engine import Generation, SpeculativePipeline
+from specflow.errors import ConfigError
+from specflow.models.stores import LAYOUTS, KVLayout, as_dtype
+from specflow.paged.attention import BACKENDS
 from specflow.results import RunFolder, summarize
-from specflow.state import SamplingParams
+from specflow.scheduler import BatchResult, Scheduler, SeqRequest
+from specflow.state import RoundStats, SamplingParams, StageTimes
 from specflow.workload import Request
 
 log = logging.getLogger(__name__)
@@ -62,7 +75,26 @@ class RunCallback(Protocol):
 
 @dataclass
 class RunSettings:
-    """How requests are decoded and measured (config group ``runner``)."""
+    """How requests are decoded and measured: the config group ``runner`` (its schema, and
+    the one place these settings are declared).
+
+    Attributes:
+        max_new_tokens: generation budget per turn.
+        seed: each request's generator seed.
+        warmup: untimed short generations first.
+        baseline: also run plain decoding of the target (speedup, fidelity).
+        baseline_cache: reuse plain-decoding results across runs on this machine (batch 1).
+        use_chat_template, system_prompt: how prompts are built.
+        threads: torch threads (``None``: torch's choice).
+        cache_dir: default ``$SPECFLOW_CACHE`` or ``~/.cache/specflow``.
+        batch_size: requests decoded at once (continuous batching).
+        device: ``cpu`` | ``cuda``: where the models run.
+        dtype: run the models in ``float32`` | ``bfloat16`` | ``float16`` (``None``: as
+            loaded, ``model.dtype``).
+        kv_layout: ``auto`` (contiguous on CPU, paged on CUDA) | ``contiguous`` | ``paged``.
+        attention: paged attention kernel: ``auto`` | ``sdpa`` | ``flash``.
+        block_size: paged KV block size (``None``: 16, or 256 with flash).
+    """
 
     max_new_tokens: int = 128
     seed: int = 0
@@ -71,7 +103,54 @@ class RunSettings:
     baseline_cache: bool = True
     use_chat_template: bool = True
     system_prompt: str | None = None
+    threads: int | None = None
     cache_dir: str | None = None
+    batch_size: int = 1
+    device: str = "cpu"
+    dtype: str | None = None
+    kv_layout: str = "auto"
+    attention: str = "auto"
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"runner.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ConfigError(f"runner.batch_size must be >= 1, got {self.batch_size}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"runner.threads must be >= 1 or null, got {self.threads}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"runner.device={self.device!r} is unknown; use one of {DEVICES}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                "runner.device=cuda but torch sees no CUDA GPU (torch "
+                f"{torch.__version__}); use runner.device=cpu, or install a CUDA build of torch"
+            )
+        if self.kv_layout not in ("auto", *LAYOUTS):
+            raise ConfigError(
+                f"runner.kv_layout={self.kv_layout!r} is unknown; use auto, contiguous or paged"
+            )
+        if self.attention not in BACKENDS:
+            raise ConfigError(
+                f"runner.attention={self.attention!r} is unknown; use one of {BACKENDS}"
+            )
+        as_dtype(self.dtype, torch.float32)  # a clear error for an unknown name
+
+    def layout(self) -> KVLayout:
+        """Where the keys/values live: contiguous on CPU, paged on CUDA unless set."""
+        kind = self.kv_layout
+        if kind == "auto":
+            kind = "paged" if self.device == "cuda" else "contiguous"
+        return KVLayout(
+            kind=kind,
+            device=self.device,
+            dtype=self.dtype,
+            attention=self.attention,
+            block_size=self.block_size,
+        )
+
+
+DEVICES = ("cpu", "cuda")
 
 
 def machine_description() -> dict[str, Any]:
@@ -118,7 +197,7 @@ class BaselineCache:
         sampling: SamplingParams,
         seed: int,
     ) -> str:
-        lm = pipeline.target_verifier.lm
+        lm = pipeline.target_verifier.uses()[0].lm
         blob = json.dumps(
             {
                 "model": repr(lm.info),
@@ -215,6 +294,33 @@ def _pool_metrics(gens: list[Generation]) -> dict[str, Any]:
     }
 
 
+@dataclass
+class TurnResult:
+    """One decoded turn of a conversation: its prompt, the generation, the seconds it
+    waited for a slot, and whether it came from the baseline cache."""
+
+    prompt: list[int]
+    generation: Generation
+    queued_s: float = 0.0
+    cached: bool = False
+
+
+@dataclass
+class _Conversation:
+    """A request being decoded turn by turn: the messages so far and the finished turns."""
+
+    request: Request
+    messages: list[dict[str, str]]
+    turns: list[TurnResult] = field(default_factory=list)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    vals = sorted(values)
+    return vals[min(len(vals) - 1, round(q * (len(vals) - 1)))]
+
+
 class Runner:
     """Decodes requests with a method and its plain-decoding baseline (see module doc)."""
 
@@ -237,17 +343,11 @@ class Runner:
             or os.environ.get("SPECFLOW_CACHE")
             or Path.home() / ".cache" / "specflow"
         )
-        self.baseline_cache = BaselineCache(
-            cache_root / "baselines" if settings.baseline_cache else None
-        )
+        use_cache = settings.baseline_cache and settings.batch_size == 1
+        self.baseline_cache = BaselineCache(cache_root / "baselines" if use_cache else None)
+        self._batch: dict[str, Any] = {}
 
-    def _round_hook(self, request: Request) -> Any:
-        """``on_round_end(request, event)`` for the callbacks that define it (else None)."""
-        hooks = [cb.on_round_end for cb in self.callbacks if hasattr(cb, "on_round_end")]
-        if not hooks:
-            return None
-        return lambda event: [hook(request, event) for hook in hooks]
-
+    # ---------------------------------------------------------------- callbacks
     def _emit(self, hook: str, *args: Any, safe: bool = False) -> None:
         """Call ``hook`` on every callback having it; ``safe``: log errors, call them all."""
         for cb in self.callbacks:
@@ -262,81 +362,148 @@ class Runner:
             except Exception:  # noqa: BLE001 - every logger must get to finish
                 log.exception("callback %s.%s failed", type(cb).__name__, hook)
 
-    def _baseline(self, prompt: list[int]) -> tuple[list[int], float, bool]:
-        s = self.settings
-        key = self.baseline_cache.key(
-            self.pipeline, prompt, s.max_new_tokens, self.sampling, s.seed
-        )
-        hit = self.baseline_cache.get(key)
-        if hit is not None:
-            return hit["tokens"], hit["total_s"], True
-        gen = self.baseline.generate(prompt, s.max_new_tokens, self.sampling, s.seed)
-        self.baseline_cache.put(key, {"tokens": gen.tokens, "total_s": gen.total_s})
-        return gen.tokens, gen.total_s, False
+    def _round_hook(self) -> Any:
+        """``on_round(seq_request, event)`` for the scheduler when a callback wants rounds."""
+        hooks = [cb.on_round_end for cb in self.callbacks if hasattr(cb, "on_round_end")]
+        if not hooks:
+            return None
 
-    def warmup(self, request: Request) -> None:
-        """Untimed short generations so that first-call costs don't land in a measurement."""
-        prompt = build_prompt(
-            self.tokenizer, [{"role": "user", "content": request.turns[0]}], self.settings
-        )
-        n = min(8, self.settings.max_new_tokens)
-        self.pipeline.generate(prompt, n, self.sampling, self.settings.seed)
-        if self.settings.baseline:
-            self.baseline.generate(prompt, n, self.sampling, self.settings.seed)
+        def on_round(seq: SeqRequest, event: dict[str, int]) -> None:
+            for hook in hooks:
+                hook(seq.tag.request, event)
 
-    def run_request(self, request: Request) -> dict[str, Any]:
-        """Decode one conversation with the method and the baseline; the JSONL record."""
+        return on_round
+
+    # ---------------------------------------------------------------- decoding
+    def _scheduler(self, pipeline: SpeculativePipeline, max_context: int) -> Scheduler:
         s = self.settings
-        method_msgs: list[dict[str, str]] = []
-        base_msgs: list[dict[str, str]] = []
-        gens: list[Generation] = []
-        turns = []
-        base_tokens = 0
-        base_s = 0.0
-        cached = True
-        matches = True
-        base_text = ""
-        for turn in request.turns:
-            method_msgs.append({"role": "user", "content": turn})
-            prompt = build_prompt(self.tokenizer, method_msgs, s)
-            if s.baseline:
-                base_msgs.append({"role": "user", "content": turn})
-                base_prompt = build_prompt(self.tokenizer, base_msgs, s)
-                b_tokens, b_s, hit = self._baseline(base_prompt)
-                cached &= hit
-                base_tokens += len(b_tokens)
-                base_s += b_s
-                base_text = self.tokenizer.decode(b_tokens, skip_special_tokens=True)
-                base_msgs.append({"role": "assistant", "content": base_text})
-            hook = self._round_hook(request)
-            extra = {"on_round": hook} if hook is not None else {}
-            gen = self.pipeline.generate(prompt, s.max_new_tokens, self.sampling, s.seed, **extra)
-            gens.append(gen)
-            text = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-            method_msgs.append({"role": "assistant", "content": text})
-            if s.baseline:
-                matches &= gen.tokens == b_tokens
-            turns.append(
-                {
-                    "prompt_tokens": len(prompt),
-                    "output_text": text,
-                    "output_tokens": gen.tokens,
-                    "new_tokens": len(gen.tokens),
-                    "total_s": gen.total_s,
-                    "stop_reason": gen.stop_reason,
-                }
+        return Scheduler(pipeline, s.batch_size, s.layout(), max_context=max_context)
+
+    def _max_context(self, requests: list[Request]) -> int:
+        """A KV budget per sequence: every turn's text + answers + chat overhead."""
+        s = self.settings
+        worst = 0
+        for r in requests:
+            msgs = [{"role": "user", "content": t} for t in r.turns]
+            prompt = len(build_prompt(self.tokenizer, msgs, s))
+            worst = max(worst, prompt + len(r.turns) * (s.max_new_tokens + 64) + 1)
+        limit = min(info.max_positions for info in self.pipeline.models())
+        return min(worst, limit)
+
+    def _next_turn(self, conv: _Conversation, cache: bool) -> SeqRequest | None:
+        """The conversation's next turn to decode; turns found in the baseline cache are
+        taken from there.  ``None`` when every turn is done."""
+        s = self.settings
+        while len(conv.turns) < len(conv.request.turns):
+            conv.messages.append({"role": "user", "content": conv.request.turns[len(conv.turns)]})
+            prompt = build_prompt(self.tokenizer, conv.messages, s)
+            key = self.baseline_cache.key(
+                self.pipeline, prompt, s.max_new_tokens, self.sampling, s.seed
             )
+            hit = self.baseline_cache.get(key) if cache else None
+            if hit is None:
+                return SeqRequest(prompt, s.max_new_tokens, s.seed, tag=conv)
+            gen = Generation(hit["tokens"], RoundStats(), StageTimes(), hit["total_s"], "cached")
+            self._finish_turn(conv, TurnResult(prompt, gen, cached=True))
+        return None
+
+    def _finish_turn(self, conv: _Conversation, turn: TurnResult) -> None:
+        conv.turns.append(turn)
+        text = self.tokenizer.decode(turn.generation.tokens, skip_special_tokens=True)
+        conv.messages.append({"role": "assistant", "content": text})
+
+    def _decode(
+        self,
+        scheduler: Scheduler,
+        requests: list[Request],
+        cache: bool = False,
+        on_request: Any = None,
+        on_round: Any = None,
+    ) -> dict[str, list[TurnResult]]:
+        """Every conversation, turn by turn; ``request_id -> turns``.  ``on_request(request,
+        turns)`` is called as soon as a conversation's last turn ends."""
+        s = self.settings
+        done: dict[str, list[TurnResult]] = {}
+
+        def finished(conv: _Conversation) -> None:
+            done[conv.request.request_id] = conv.turns
+            if on_request is not None:
+                on_request(conv.request, conv.turns)
+
+        def on_done(result: BatchResult) -> list[SeqRequest]:
+            conv: _Conversation = result.request.tag
+            turn = TurnResult(result.request.prompt, result.generation, result.queued_s)
+            self._finish_turn(conv, turn)
+            if cache and self.baseline_cache.directory is not None:
+                key = self.baseline_cache.key(
+                    self.pipeline, turn.prompt, s.max_new_tokens, self.sampling, s.seed
+                )
+                self.baseline_cache.put(
+                    key, {"tokens": turn.generation.tokens, "total_s": turn.generation.total_s}
+                )
+            follow = self._next_turn(conv, cache)
+            if follow is None:
+                finished(conv)
+                return []
+            return [follow]
+
+        first: list[SeqRequest] = []
+        for req in requests:
+            conv = _Conversation(req, [])
+            nxt = self._next_turn(conv, cache)
+            if nxt is None:
+                finished(conv)
+            else:
+                first.append(nxt)
+        scheduler.generate(first, self.sampling, on_done=on_done, on_round=on_round)
+        return done
+
+    def _check_prompts(self, scheduler: Scheduler, requests: list[Request]) -> None:
+        """Refuse a prompt that cannot fit before anything runs (warm-up included)."""
+        s = self.settings
+        for r in requests:
+            prompt = build_prompt(self.tokenizer, [{"role": "user", "content": r.turns[0]}], s)
+            try:
+                scheduler.check(SeqRequest(prompt, s.max_new_tokens), self.sampling)
+            except ConfigError as exc:
+                raise type(exc)(f"request {r.request_id}: {exc}") from None
+
+    def warmup(self, schedulers: list[Scheduler], requests: list[Request]) -> None:
+        """Untimed short generations so that first-call costs don't land in a measurement."""
+        s = self.settings
+        n = min(8, s.max_new_tokens)
+        warm = [
+            SeqRequest(
+                build_prompt(self.tokenizer, [{"role": "user", "content": r.turns[0]}], s), n
+            )
+            for r in requests[: s.batch_size]
+        ]
+        for scheduler in schedulers:
+            scheduler.generate(warm, self.sampling)
+
+    def _record(
+        self, request: Request, turns: list[TurnResult], base: list[TurnResult] | None
+    ) -> dict[str, Any]:
+        """The JSONL record of a request (method's turns, and the baseline's when run)."""
+        gens = [t.generation for t in turns]
+        texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
         metrics = _generation_metrics(gens)
-        if s.baseline:
+        metrics["latency_s"] = metrics["total_s"]
+        metrics["queued_s"] = sum(t.queued_s for t in turns)
+        base_text = ""
+        if base is not None:
+            b_gens = [t.generation for t in base]
+            b_tokens = sum(len(g.tokens) for g in b_gens)
+            b_s = sum(g.total_s for g in b_gens)
+            base_text = self.tokenizer.decode(b_gens[-1].tokens, skip_special_tokens=True)
+            matches = all(g.tokens == b.tokens for g, b in zip(gens, b_gens, strict=True))
             metrics.update(
                 {
-                    "baseline_tokens": base_tokens,
-                    "baseline_s": base_s,
-                    "baseline_tokens_per_s": base_tokens / base_s if base_s else 0.0,
-                    "baseline_cached": cached,
-                    "speedup": (metrics["tokens_per_s"] / (base_tokens / base_s))
-                    if base_s
-                    else None,
+                    "baseline_tokens": b_tokens,
+                    "baseline_s": b_s,
+                    "baseline_tokens_per_s": b_tokens / b_s if b_s else 0.0,
+                    "baseline_cached": all(t.cached for t in base),
+                    "speedup": metrics["tokens_per_s"] / (b_tokens / b_s) if b_s else None,
                     "matches_baseline": matches if self.sampling.greedy else None,
                 }
             )
@@ -344,15 +511,26 @@ class Runner:
             "request_id": request.request_id,
             "category": request.category,
             "subcategory": request.subcategory,
-            "output_text": turns[-1]["output_text"],
-            "turns": turns,
+            "output_text": texts[-1],
+            "turns": [
+                {
+                    "prompt_tokens": len(t.prompt),
+                    "output_text": text,
+                    "output_tokens": t.generation.tokens,
+                    "new_tokens": len(t.generation.tokens),
+                    "total_s": t.generation.total_s,
+                    "stop_reason": t.generation.stop_reason,
+                }
+                for t, text in zip(turns, texts, strict=True)
+            ],
             "metrics": metrics,
-            "task": _score(request, turns[-1]["output_text"]),
+            "task": _score(request, texts[-1]),
         }
-        if s.baseline:
+        if base is not None:
             record["baseline_task"] = _score(request, base_text)
         return record
 
+    # ---------------------------------------------------------------- the run
     def run(
         self, requests: list[Request], folder: RunFolder, meta: dict[str, Any]
     ) -> dict[str, Any]:
@@ -377,21 +555,78 @@ class Runner:
             wanted = {r.request_id for r in requests}
             records = [r for r in folder.records if r["request_id"] in wanted]
             summary = summarize(records, {**meta, "complete": complete})
-            summary.update(self.summary_extra(records))
-            folder.write_summary(summary)
-            self._emit("on_run_end", summary, folder.path, safe=True)
+            summary["batch"] = self._batch_summary(records)
+            try:
+                folder.write_summary(summary)
+            finally:
+                self._emit("on_run_end", summary, folder.path, safe=True)
         return summary
 
     def decode_requests(self, todo: list[Request], folder: RunFolder) -> None:
-        """Warm up, then decode each request and append its record as soon as it is done."""
-        if todo and self.settings.warmup:
-            self.warmup(todo[0])
-        for request in todo:
-            self._emit("on_request_start", request)
-            record = self.run_request(request)
-            folder.append(record)
-            self._emit("on_request_end", record)
+        """Warm up, then decode: request by request at batch size 1 (baseline right before
+        the method), or a baseline pass then the method's pass at batch size N; each record
+        is appended as soon as its request is done."""
+        s = self.settings
+        self._batch = {"batch_size": s.batch_size, "device": s.device}
+        if not todo:
+            return
+        max_context = self._max_context(todo)
+        method = self._scheduler(self.pipeline, max_context)
+        base = self._scheduler(self.baseline, max_context) if s.baseline else None
+        self._check_prompts(method, todo)
+        log.info("decoding: batch_size=%d device=%s kv=%s", s.batch_size, s.device, s.layout().kind)
+        if s.warmup:
+            self.warmup([method] + ([base] if base is not None else []), todo)
+        on_round = self._round_hook()
+        chunks = [[r] for r in todo] if s.batch_size == 1 else [todo]
+        base_wall = method_wall = 0.0
+        base_tokens = method_tokens = 0
+        for chunk in chunks:
+            for r in chunk:
+                self._emit("on_request_start", r)
+            base_turns = None
+            if base is not None:
+                base_turns = self._decode(base, chunk, cache=True)
+                base_wall += base.stats.wall_s
+                base_tokens += base.stats.new_tokens
 
-    def summary_extra(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """Keys a runner adds to the summary (none here; batching adds ``batch``)."""
-        return {}
+            def on_request(req: Request, turns: list[TurnResult], bt: Any = base_turns) -> None:
+                record = self._record(req, turns, bt[req.request_id] if bt is not None else None)
+                folder.append(record)
+                self._emit("on_request_end", record)
+
+            self._decode(method, chunk, on_request=on_request, on_round=on_round)
+            method_wall += method.stats.wall_s
+            method_tokens += method.stats.new_tokens
+        pools = method.kv.pools
+        self._batch.update(
+            {
+                "kv_layout": method.kv.layout.kind,
+                "attention": pools[0].attention.name if pools else "contiguous",
+                "block_size": pools[0].block_size if pools else None,
+                "wall_s": method_wall,
+                "new_tokens": method_tokens,
+                "throughput_tokens_per_s": method_tokens / method_wall if method_wall else 0.0,
+                "mean_active": method.stats.mean_batch,
+            }
+        )
+        if base is not None and base_wall:
+            base_tp = base_tokens / base_wall
+            self._batch["baseline_wall_s"] = base_wall
+            self._batch["baseline_throughput_tokens_per_s"] = base_tp
+            if base_tp:
+                self._batch["throughput_speedup"] = self._batch["throughput_tokens_per_s"] / base_tp
+
+    def _batch_summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """``batch``: size, device, KV layout, throughput across the batch and latencies."""
+        s = self.settings
+        batch = dict(self._batch or {"batch_size": s.batch_size, "device": s.device})
+        lat = [r["metrics"].get("latency_s", r["metrics"]["total_s"]) for r in records]
+        batch.update(
+            {
+                "latency_s_mean": statistics.fmean(lat) if lat else None,
+                "latency_s_p50": _percentile(lat, 0.5),
+                "latency_s_p90": _percentile(lat, 0.9),
+            }
+        )
+        return batch

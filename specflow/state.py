@@ -22,8 +22,9 @@ Glossary (see ``shared/methods.md``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
@@ -32,6 +33,9 @@ from specflow.errors import ConfigError
 if TYPE_CHECKING:
     from specflow.models.base import LayeredLM
     from specflow.models.session import ModelSession
+    from specflow.models.stores import KVStores
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,27 @@ class RoundStats:
         self.level_accepted[level] = self.level_accepted.get(level, 0) + accepted
 
 
+class RequestLocal(Generic[T]):
+    """One stage's typed per-request data (a drafter's vocabulary subset, a policy's cost
+    model, a pool's pending arm...).  A stage owns one ``RequestLocal`` per kind of data;
+    ``local.get(state)`` is that request's value, made by ``factory(state)`` on first use.
+    The value lives in the request's ``DecodeState`` (keyed by this object), so it ends with
+    the request.
+    """
+
+    def __init__(self, factory: Callable[[DecodeState], T]) -> None:
+        self.factory = factory
+
+    def get(self, state: DecodeState) -> T:
+        value = state.locals.get(self)
+        if value is None:
+            value = state.locals[self] = self.factory(state)
+        return value  # type: ignore[return-value]
+
+    def set(self, state: DecodeState, value: T) -> None:
+        state.locals[self] = value
+
+
 @dataclass
 class DecodeState:
     """Everything one request's decoding knows; stages read and update it.
@@ -174,7 +199,11 @@ class DecodeState:
         max_len: context budget of this request (prompt + max_new_tokens + slack for drafts).
         sampling: how tokens are chosen.
         generator: the request's random generator (sampling is reproducible per seed).
-        sessions: one ``ModelSession`` per model, shared by every stage using that model.
+        kv: where the request's model sessions keep their keys/values (the scheduler's).
+        seq_id: the request's sequence id in ``kv`` (its paged block tables).
+        sessions: one ``ModelSession`` per model (keyed by ``id(model)``), shared by every
+            stage using that model; opened through ``kv`` on first use.
+        locals: the stages' typed per-request data (see ``RequestLocal``).
     """
 
     tokens: list[int]
@@ -182,11 +211,12 @@ class DecodeState:
     max_len: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator = field(default_factory=torch.Generator)
+    kv: KVStores | None = None
+    seq_id: int = 0
     sessions: dict[int, ModelSession] = field(default_factory=dict)
     stats: RoundStats = field(default_factory=RoundStats)
     times: StageTimes = field(default_factory=StageTimes)
-    # Stage-private per-request data, keyed by the stage (``id(stage)``).
-    scratch: dict[int, object] = field(default_factory=dict)
+    locals: dict[RequestLocal, object] = field(default_factory=dict)
     # Round counters of nested pipelines (a pipeline used as a drafter), by level name.
     nested_stats: dict[str, RoundStats] = field(default_factory=dict)
     nested_times: dict[str, StageTimes] = field(default_factory=dict)
@@ -200,12 +230,19 @@ class DecodeState:
         return len(self.tokens) - self.prompt_len
 
     def session(self, model: LayeredLM) -> ModelSession:
-        """The request's session of ``model`` (created on first use, synced lazily)."""
-        from specflow.models.session import ModelSession
-
-        key = id(model)
-        sess = self.sessions.get(key)
+        """The request's session of ``model`` (opened on first use, synced lazily)."""
+        sess = self.sessions.get(id(model))
         if sess is None:
-            sess = ModelSession(model, self.max_len)
-            self.sessions[key] = sess
+            if self.kv is None:
+                from specflow.models.stores import KVStores
+
+                self.kv = KVStores()
+            sess = self.kv.open(model, self.max_len, self.seq_id)
+            self.sessions[id(model)] = sess
         return sess
+
+    def release(self) -> None:
+        """The request is over: every session gives its KV storage back."""
+        for sess in self.sessions.values():
+            sess.release()
+        self.sessions.clear()

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from specflow.errors import ConfigError
-from specflow.state import DecodeState
+from specflow.state import DecodeState, RequestLocal
 
 
 class FixedDraftLength:
@@ -66,12 +66,13 @@ class HeuristicDraftLength:
         if initial < 1:
             raise ConfigError(f"draft_length.initial must be >= 1, got {initial}")
         self.initial = initial
+        self._k: RequestLocal[list[int]] = RequestLocal(lambda _state: [self.initial])
 
     def begin(self, state: DecodeState) -> None:
-        state.scratch[id(self)] = self.initial
+        self._k.set(state, [self.initial])
 
     def choose(self, state: DecodeState, k_max: int) -> int:
-        return min(int(state.scratch.get(id(self), self.initial)), k_max)
+        return min(self._k.get(state)[0], k_max)
 
     def observe(
         self,
@@ -84,8 +85,8 @@ class HeuristicDraftLength:
     ) -> None:
         if drafted == 0:
             return
-        k = int(state.scratch.get(id(self), self.initial))
-        state.scratch[id(self)] = k + 2 if accepted == drafted else max(1, k - 1)
+        k = self._k.get(state)
+        k[0] = k[0] + 2 if accepted == drafted else max(1, k[0] - 1)
 
 
 @dataclass
@@ -149,33 +150,36 @@ class AdaptiveDraftLength:
         self.prior_strength = prior_strength
         self.probe_budget = probe_budget
         self._last: CostModel | None = None  # the latest request's model (prior of the next)
+        self._model: RequestLocal[CostModel] = RequestLocal(
+            lambda _state: CostModel(beta=self.beta_prior)
+        )
 
     def begin(self, state: DecodeState) -> None:
         """A new request starts from what earlier requests of this run measured: the times
         as they were, the acceptance evidence shrunk to ``prior_strength`` positions."""
         prev = self._last
         if prev is None:
-            state.scratch[id(self)] = CostModel(beta=self.beta_prior)
+            self._model.set(state, CostModel(beta=self.beta_prior))
             return
         scale = min(1.0, self.prior_strength / prev.tried) if prev.tried > 0 else 0.0
-        state.scratch[id(self)] = CostModel(
-            tried=prev.tried * scale,
-            accepted=prev.accepted * scale,
-            t_draft=prev.t_draft,
-            t1=prev.t1,
-            beta=prev.beta,
-            t_catchup=prev.t_catchup,
+        self._model.set(
+            state,
+            CostModel(
+                tried=prev.tried * scale,
+                accepted=prev.accepted * scale,
+                t_draft=prev.t_draft,
+                t1=prev.t1,
+                beta=prev.beta,
+                t_catchup=prev.t_catchup,
+            ),
         )
 
-    def _model(self, state: DecodeState) -> CostModel:
-        model = state.scratch.get(id(self))
-        if not isinstance(model, CostModel):
-            model = CostModel(beta=self.beta_prior)
-            state.scratch[id(self)] = model
-        return model
+    def cost_model(self, state: DecodeState) -> CostModel:
+        """The request's online estimates."""
+        return self._model.get(state)
 
     def choose(self, state: DecodeState, k_max: int) -> int:
-        m = self._model(state)
+        m = self._model.get(state)
         if m.t1 is None or m.t_draft is None:
             return k_max  # measure a drafting round first (t1 comes from k = 0 or is derived)
         if not m.t1_measured:
@@ -219,7 +223,7 @@ class AdaptiveDraftLength:
         verify_s: float,
         catchup_s: float = 0.0,
     ) -> None:
-        m = self._model(state)
+        m = self._model.get(state)
         self._last = m
         w = self.ema
 

@@ -15,6 +15,7 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.models.resolve import as_layered_lm
+from specflow.protocols import ModelUse
 from specflow.state import DecodeState, Draft
 from specflow.verification import prefill, score_at_exit
 
@@ -42,8 +43,11 @@ class EarlyExitVerifier:
         self.accumulate = accumulate
         self.info = self.lm.info
 
-    def begin(self, state: DecodeState) -> None:
-        prefill(state, self.lm, self.exit_layer)
+    def uses(self) -> list[ModelUse]:
+        return [ModelUse(self.lm, self.exit_layer)]
 
-    def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        return score_at_exit(state, self.lm, self.exit_layer, draft)  # [k+1, V]
+    def begin(self, states: list[DecodeState]) -> None:
+        prefill(states, self.lm, self.exit_layer)
+
+    def score(self, states: list[DecodeState], drafts: list[Draft]) -> list[torch.Tensor]:
+        return score_at_exit(states, self.lm, self.exit_layer, drafts)  # [k_i+1, V] each

@@ -22,5 +22,8 @@ class ExactAcceptor:
                 "acceptor=rejection for lossless speculative sampling"
             )
 
+    def check_draft_length(self, k: int) -> None:
+        pass
+
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
         return greedy_accept(draft.tokens, target_logits)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specflow.errors import ConfigError
+from specflow.protocols import BanditStats
 
 
 class FixedSelector:
@@ -13,14 +14,15 @@ class FixedSelector:
             raise ConfigError(f"selector.arm must be >= 0, got {arm}")
         self.arm = arm
 
-    def begin(self, num_arms: int) -> None:
+    def begin(self, num_arms: int) -> BanditStats:
         if self.arm >= num_arms:
             raise ConfigError(
                 f"selector.arm={self.arm} but the pool has {num_arms} arms (0..{num_arms - 1})"
             )
+        return BanditStats()
 
-    def select(self) -> int:
+    def select(self, stats: BanditStats) -> int:
         return self.arm
 
-    def update(self, arm: int, reward: float) -> None:
+    def update(self, stats: BanditStats, arm: int, reward: float) -> None:
         pass

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from specflow.models.resolve import as_layered_lm
+from specflow.protocols import ModelUse
 from specflow.state import DecodeState, Draft
 from specflow.verification import prefill, score_at_exit
 
@@ -22,8 +23,11 @@ class FullVerifier:
         self.lm = as_layered_lm(model)
         self.info = self.lm.info
 
-    def begin(self, state: DecodeState) -> None:
-        prefill(state, self.lm, self.info.num_layers)
+    def uses(self) -> list[ModelUse]:
+        return [ModelUse(self.lm, self.info.num_layers)]
 
-    def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        return score_at_exit(state, self.lm, self.info.num_layers, draft)  # [k+1, V]
+    def begin(self, states: list[DecodeState]) -> None:
+        prefill(states, self.lm, self.info.num_layers)
+
+    def score(self, states: list[DecodeState], drafts: list[Draft]) -> list[torch.Tensor]:
+        return score_at_exit(states, self.lm, self.info.num_layers, drafts)  # [k_i+1, V] each

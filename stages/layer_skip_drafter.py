@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from specflow.drafting import draft_with_model
 from specflow.errors import ConfigError
 from specflow.models.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
 from specflow.models.views import LayerSkipView
-from specflow.state import DecodeState, Draft
+from specflow.protocols import ModelUse
+from specflow.state import Acceptance, DecodeState, Draft
 from specflow.verification import prefill
 
 
@@ -31,8 +34,20 @@ class LayerSkipDrafter:
     def models(self) -> list[ModelInfo]:
         return [self.view.info]
 
-    def begin(self, state: DecodeState) -> None:
-        prefill(state, self.view, self.view.info.num_layers)
+    def uses(self) -> list[ModelUse]:
+        return [ModelUse(self.view, self.view.info.num_layers)]
 
-    def propose(self, state: DecodeState, k: int) -> Draft:
-        return draft_with_model(state, self.view, self.view.info.num_layers, k)
+    def begin(self, states: list[DecodeState]) -> None:
+        prefill(states, self.view, self.view.info.num_layers)
+
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        return draft_with_model(states, self.view, self.view.info.num_layers, ks)
+
+    def observe(
+        self,
+        states: list[DecodeState],
+        drafts: list[Draft],
+        target_logits: list[torch.Tensor],
+        verdicts: list[Acceptance],
+    ) -> None:
+        pass

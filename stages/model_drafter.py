@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from specflow.drafting import SubVocabHead, draft_with_model
 from specflow.errors import ConfigError
 from specflow.models.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
-from specflow.state import DecodeState, Draft
+from specflow.protocols import ModelUse
+from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
 
 class ModelDrafter:
@@ -64,20 +67,40 @@ class ModelDrafter:
                 raise ConfigError(f"drafter.vocab_subset must be >= 1 or null, got {vocab_subset}")
             SubVocabHead.check_supported(self.lm)  # fail at build time, not mid-run
         self.vocab_subset = vocab_subset
+        # Per request: its vocabulary subset (built from its prompt), when vocab_subset is set.
+        self._subvocab: RequestLocal[SubVocabHead | None] = RequestLocal(self._build_subvocab)
 
     def models(self) -> list[ModelInfo]:
         return [self.lm.info]
 
-    def begin(self, state: DecodeState) -> None:
-        """The request's vocabulary subset, if any.  No prefill: the drafter's session
+    def uses(self) -> list[ModelUse]:
+        return [ModelUse(self.lm, self.exit_layer)]
+
+    def _build_subvocab(self, state: DecodeState) -> SubVocabHead | None:
+        if self.vocab_subset is None:
+            return None
+        always = list(state.tokens) + list(self.lm.info.eos_token_ids)
+        model = state.session(self.lm).model  # the model as placed for this run
+        return SubVocabHead.build(model, self.vocab_subset, always)  # type: ignore[arg-type]
+
+    def begin(self, states: list[DecodeState]) -> None:
+        """The requests' vocabulary subsets, if any.  No prefill: the drafter's session
         prefills lazily on its first draft, so a request whose draft-length policy never
         drafts (k = 0 throughout) never pays for it."""
-        if self.vocab_subset is not None:
-            always = list(state.tokens) + list(self.lm.info.eos_token_ids)
-            state.scratch[id(self)] = SubVocabHead.build(self.lm, self.vocab_subset, always)
+        for st in states:
+            self._subvocab.set(st, self._build_subvocab(st))
 
-    def propose(self, state: DecodeState, k: int) -> Draft:
-        subvocab = state.scratch.get(id(self)) if self.vocab_subset is not None else None
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        subvocabs = [self._subvocab.get(st) for st in states]
         return draft_with_model(
-            state, self.lm, self.exit_layer, k, self.min_confidence, subvocab=subvocab
+            states, self.lm, self.exit_layer, ks, self.min_confidence, subvocabs=subvocabs
         )
+
+    def observe(
+        self,
+        states: list[DecodeState],
+        drafts: list[Draft],
+        target_logits: list[torch.Tensor],
+        verdicts: list[Acceptance],
+    ) -> None:
+        pass

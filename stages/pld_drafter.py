@@ -8,10 +8,12 @@ deterministic: q is one-hot (``Draft.probs is None``).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from specflow.errors import ConfigError
 from specflow.models.base import ModelInfo
-from specflow.state import DecodeState, Draft
+from specflow.protocols import ModelUse
+from specflow.state import Acceptance, DecodeState, Draft
 
 
 def lookup_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -54,11 +56,26 @@ class PLDDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def begin(self, state: DecodeState) -> None:
+    def begin(self, states: list[DecodeState]) -> None:
         pass
 
     def models(self) -> list[ModelInfo]:
         return []
 
-    def propose(self, state: DecodeState, k: int) -> Draft:
-        return Draft(lookup_continuation(state.tokens, k, self.max_ngram, self.min_ngram))
+    def uses(self) -> list[ModelUse]:
+        return []
+
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        return [
+            Draft(lookup_continuation(st.tokens, k, self.max_ngram, self.min_ngram))
+            for st, k in zip(states, ks, strict=True)
+        ]
+
+    def observe(
+        self,
+        states: list[DecodeState],
+        drafts: list[Draft],
+        target_logits: list[torch.Tensor],
+        verdicts: list[Acceptance],
+    ) -> None:
+        pass

@@ -28,15 +28,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.base import LayeredLM, ModelInfo
-from specflow.protocols import Drafter, Selector
+from specflow.models.base import ModelInfo
+from specflow.models.session import forward_hidden
+from specflow.protocols import BanditStats, Drafter, ModelUse, Selector
 from specflow.sampling import warp
-from specflow.state import Acceptance, DecodeState, Draft
+from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
 log = logging.getLogger(__name__)
 
@@ -65,41 +66,34 @@ def block_divergence(
     return float(1.0 - tv.mean().clamp(0.0, 1.0))
 
 
-def arm_sessions(arm: Any) -> list[tuple[LayeredLM, int]]:
-    """``(model, exit layer)`` of every model session an arm drafts with (for catch-up).
+def catch_up(states: list[DecodeState], uses: list[ModelUse]) -> list[int]:
+    """Bring each request's sessions of ``uses`` up to its committed tokens (all but the
+    last, as prefill does), one batched forward per model.
 
-    A model drafter exposes ``lm`` (and ``exit_layer``), a layer-skip drafter ``view``, a
-    nested pipeline its ``target_verifier.lm`` and, recursively, its drafter's sessions.
+    Returns per request the number of positions processed at layer 0 (summed over uses).
     """
-    out: list[tuple[LayeredLM, int]] = []
-    for attr in ("lm", "view"):
-        lm = getattr(arm, attr, None)
-        if lm is not None and hasattr(lm, "info"):
-            out.append((lm, getattr(arm, "exit_layer", None) or lm.info.num_layers))
-    verifier = getattr(arm, "target_verifier", None)
-    lm = getattr(verifier, "lm", None)
-    if lm is not None:
-        out.append((lm, lm.info.num_layers))
-    inner = getattr(arm, "drafter", None)
-    if inner is not None:
-        out += arm_sessions(inner)
-    return out
-
-
-def catch_up(state: DecodeState, sessions: list[tuple[LayeredLM, int]]) -> int:
-    """Bring each session up to the committed tokens (all but the last, as prefill does).
-
-    Returns the number of positions processed at layer 0 (summed over the sessions).
-    """
-    end = len(state.tokens) - 1
-    behind = 0
-    for lm, exit_layer in sessions:
-        session = state.session(lm)
-        session.set_tokens(state.tokens)
-        behind += max(0, end - session.computed(0))
-        if end > 0:
-            session.hidden(exit_layer, end)
+    behind = [0] * len(states)
+    for use in uses:
+        todo = []
+        for i, st in enumerate(states):
+            session = st.session(use.lm)
+            session.set_tokens(st.tokens)
+            end = len(st.tokens) - 1
+            behind[i] += max(0, end - session.computed(0))
+            if end > 0:
+                todo.append((session, use.exit_layer, end))
+        forward_hidden(todo)
     return behind
+
+
+@dataclass
+class PoolRequest:
+    """A pool's per-request data: the bandit statistics it selects from, the arm that
+    drafted last (a switch means catching up), and the arm and k awaiting a reward."""
+
+    bandit: BanditStats
+    last: int | None = None
+    pending: tuple[int, int] | None = None
 
 
 class PoolDrafter:
@@ -124,7 +118,7 @@ class PoolDrafter:
             self.arms = list(drafters.values())
         else:
             self.arms = list(drafters)
-            self.arm_names = [getattr(a, "name", f"arm{i}") for i, a in enumerate(self.arms)]
+            self.arm_names = [a.name for a in self.arms]
         if not self.arms:
             raise ConfigError("drafter.drafters is empty: a pool needs at least one drafter")
         for name_, arm in zip(self.arm_names, self.arms, strict=True):
@@ -144,7 +138,10 @@ class PoolDrafter:
         self.reward = reward
         self.name = name
         self.k = max(arm.k for arm in self.arms)
-        self._sessions = [arm_sessions(arm) for arm in self.arms]
+        self._uses = [arm.uses() for arm in self.arms]
+        self._request: RequestLocal[PoolRequest] = RequestLocal(
+            lambda _state: PoolRequest(self.selector.begin(len(self.arms)))
+        )
 
     def models(self) -> list[ModelInfo]:
         infos: list[ModelInfo] = []
@@ -152,39 +149,65 @@ class PoolDrafter:
             infos += arm.models()
         return infos
 
-    def begin(self, state: DecodeState) -> None:
-        """A new request: every arm prefills, the selector forgets (MetaSD resets per request)."""
-        for arm in self.arms:
-            arm.begin(state)
-        self.selector.begin(len(self.arms))
-        state.scratch[id(self)] = {"pending": None, "last": None}
+    def uses(self) -> list[ModelUse]:
+        return [use for uses in self._uses for use in uses]
 
-    def propose(self, state: DecodeState, k: int) -> Draft:
-        mine = state.scratch[id(self)]
-        arm = self.selector.select()
-        drafter = self.arms[arm]
-        catchup_s = 0.0
-        if mine["last"] != arm and self._sessions[arm]:
-            t0 = time.perf_counter()
-            behind = catch_up(state, self._sessions[arm])
-            catchup_s = time.perf_counter() - t0
-            state.stats.catchup_tokens += behind
-            state.stats.catchup_s += catchup_s
-        mine["last"] = arm
-        mine["pending"] = (arm, k)
-        draft = drafter.propose(state, min(drafter.k, k))
-        draft.catchup_s += catchup_s
-        return draft
+    def begin(self, states: list[DecodeState]) -> None:
+        """New requests: every arm prefills, each request's selector statistics start
+        (fresh: MetaSD resets per request; or the run's, with ``reset=False``)."""
+        for arm in self.arms:
+            arm.begin(states)
+        for st in states:
+            self._request.set(st, PoolRequest(self.selector.begin(len(self.arms))))
+
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        """Each request's selector picks its arm; each arm drafts for its requests at once."""
+        groups: dict[int, list[int]] = {}
+        for i, st in enumerate(states):
+            arm = self.selector.select(self._request.get(st).bandit)
+            groups.setdefault(arm, []).append(i)
+        drafts: list[Draft] = [Draft([])] * len(states)
+        for arm, idx in groups.items():
+            drafter = self.arms[arm]
+            switched = [i for i in idx if self._request.get(states[i]).last != arm]
+            catchup_s = 0.0
+            if switched and self._uses[arm]:
+                t0 = time.perf_counter()
+                behind = catch_up([states[i] for i in switched], self._uses[arm])
+                catchup_s = time.perf_counter() - t0
+                for i, n in zip(switched, behind, strict=True):
+                    states[i].stats.catchup_tokens += n
+                    states[i].stats.catchup_s += catchup_s
+            for i in idx:
+                mine = self._request.get(states[i])
+                mine.last = arm
+                mine.pending = (arm, ks[i])
+            out = drafter.propose([states[i] for i in idx], [min(drafter.k, ks[i]) for i in idx])
+            for i, draft in zip(idx, out, strict=True):
+                if i in switched:
+                    draft.catchup_s += catchup_s
+                drafts[i] = draft
+        return drafts
 
     def observe(
+        self,
+        states: list[DecodeState],
+        drafts: list[Draft],
+        target_logits: list[torch.Tensor],
+        verdicts: list[Acceptance],
+    ) -> None:
+        """Each drafting request's reward for its arm (engine hook after the acceptor)."""
+        for st, draft, logits, verdict in zip(states, drafts, target_logits, verdicts, strict=True):
+            self._reward(st, draft, logits, verdict)
+
+    def _reward(
         self, state: DecodeState, draft: Draft, target_logits: torch.Tensor, verdict: Acceptance
     ) -> None:
-        """The reward of the round's arm (engine hook after the acceptor)."""
-        mine = state.scratch[id(self)]
-        if mine["pending"] is None:
+        mine = self._request.get(state)
+        if mine.pending is None:
             return
-        arm, k = mine["pending"]
-        mine["pending"] = None
+        arm, k = mine.pending
+        mine.pending = None
         if self.reward == "be":
             reward = verdict.num_accepted / k
         elif state.sampling.greedy:
@@ -193,7 +216,7 @@ class PoolDrafter:
         else:
             p = warp(target_logits[: draft.k], state.sampling)
             reward = block_divergence(draft.tokens, draft.probs, p)
-        self.selector.update(arm, reward)
+        self.selector.update(mine.bandit, arm, reward)
         state.stats.arms.append(arm)
         state.stats.rewards.append(reward)
         log.debug("pool round: arm %d (%s) reward %.3f", arm, self.arm_names[arm], reward)

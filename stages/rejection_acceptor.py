@@ -18,6 +18,9 @@ class RejectionAcceptor:
     def check(self, greedy: bool) -> None:
         pass
 
+    def check_draft_length(self, k: int) -> None:
+        pass
+
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
         if state.sampling.greedy:
             return greedy_accept(draft.tokens, target_logits)

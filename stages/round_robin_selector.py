@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 from specflow.errors import ConfigError
+from specflow.protocols import BanditStats
 
 
 class RoundRobinSelector:
     """Cycle through the arms in order, from arm 0 at every request."""
 
-    def __init__(self) -> None:
-        self.num_arms = 1
-        self.next = 0
-
-    def begin(self, num_arms: int) -> None:
+    def begin(self, num_arms: int) -> BanditStats:
         if num_arms < 1:
             raise ConfigError(f"a pool needs at least one arm, got {num_arms}")
-        self.num_arms = num_arms
-        self.next = 0
+        return BanditStats(counts=[0.0] * num_arms, sums=[0.0] * num_arms)
 
-    def select(self) -> int:
-        arm = self.next
-        self.next = (arm + 1) % self.num_arms
+    def select(self, stats: BanditStats) -> int:
+        arm = stats.rounds % len(stats.counts)
+        stats.rounds += 1
         return arm
 
-    def update(self, arm: int, reward: float) -> None:
+    def update(self, stats: BanditStats, arm: int, reward: float) -> None:
         pass

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from specflow.protocols import BanditStats
+
 
 class SingleSelector:
     """The trivial selector: one arm, always chosen."""
 
-    def begin(self, num_arms: int) -> None:
-        pass
+    def begin(self, num_arms: int) -> BanditStats:
+        return BanditStats()
 
-    def select(self) -> int:
+    def select(self, stats: BanditStats) -> int:
         return 0
 
-    def update(self, arm: int, reward: float) -> None:
+    def update(self, stats: BanditStats, arm: int, reward: float) -> None:
         pass

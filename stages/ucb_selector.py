@@ -1,10 +1,11 @@
 """Selectors ``ucb`` and ``discounted_ucb``: bandits over a drafter pool (MetaSD).
 
-Each round the pool asks ``select()`` for an arm (a drafter), and after verification
-reports ``update(arm, reward)`` with a reward in [0, 1] (see ``stages.pool_drafter``).
-``begin(num_arms)`` starts a request: all statistics are reset (MetaSD resets per request),
-unless ``reset=False``: then what earlier requests taught carries over, and the exploration
-of the first rounds is paid once per run instead of once per request (short requests).
+Each round the pool asks ``select(stats)`` for a request's arm (a drafter), and after
+verification reports ``update(stats, arm, reward)`` with a reward in [0, 1] (see
+``stages.pool_drafter``).  ``begin(num_arms)`` starts a request with fresh statistics (MetaSD
+resets per request), unless ``reset=False``: then every request of the run shares one
+``BanditStats``, so what earlier (and concurrent) requests taught carries over, and the
+exploration of the first rounds is paid once per run instead of once per request.
 
 **UCB1** (Auer, Cesa-Bianchi & Fischer 2002).  Every arm is tried once (in order), then
 round t picks
@@ -30,6 +31,7 @@ from __future__ import annotations
 import math
 
 from specflow.errors import ConfigError
+from specflow.protocols import BanditStats
 
 
 def ucb_index(sums: list[float], counts: list[float], c: float) -> list[float]:
@@ -62,9 +64,8 @@ class UCBSelector:
         reset: forget everything at each request (MetaSD); False keeps the statistics
             across the requests of a run.
 
-    Attributes:
-        counts: (discounted) pulls per arm in this request (n_i / N_i).
-        sums: (discounted) summed rewards per arm in this request.
+    ``BanditStats.counts``: (discounted) pulls per arm (n_i / N_i); ``sums``: (discounted)
+    summed rewards per arm.
     """
 
     def __init__(self, c: float = 1.0, gamma: float = 1.0, reset: bool = True) -> None:
@@ -75,25 +76,26 @@ class UCBSelector:
         self.c = c
         self.gamma = gamma
         self.reset = reset
-        self.counts: list[float] = []
-        self.sums: list[float] = []
+        self._shared: BanditStats | None = None  # the run's statistics when reset=False
 
-    def begin(self, num_arms: int) -> None:
+    def begin(self, num_arms: int) -> BanditStats:
         _check_arms(num_arms)
-        if not self.reset and len(self.counts) == num_arms:
-            return  # carry the run's statistics over
-        self.counts = [0.0] * num_arms
-        self.sums = [0.0] * num_arms
+        if self.reset:
+            return BanditStats(counts=[0.0] * num_arms, sums=[0.0] * num_arms)
+        if self._shared is None or len(self._shared.counts) != num_arms:
+            self._shared = BanditStats(counts=[0.0] * num_arms, sums=[0.0] * num_arms)
+        return self._shared  # carry the run's statistics over
 
-    def select(self) -> int:
-        return argmax(ucb_index(self.sums, self.counts, self.c))  # untried arms first (inf)
+    def select(self, stats: BanditStats) -> int:
+        stats.rounds += 1
+        return argmax(ucb_index(stats.sums, stats.counts, self.c))  # untried arms first (inf)
 
-    def update(self, arm: int, reward: float) -> None:
+    def update(self, stats: BanditStats, arm: int, reward: float) -> None:
         if self.gamma < 1.0:
-            self.counts = [n * self.gamma for n in self.counts]
-            self.sums = [s * self.gamma for s in self.sums]
-        self.counts[arm] += 1.0
-        self.sums[arm] += reward
+            stats.counts = [n * self.gamma for n in stats.counts]
+            stats.sums = [s * self.gamma for s in stats.sums]
+        stats.counts[arm] += 1.0
+        stats.sums[arm] += reward
 
 
 def DiscountedUCBSelector(  # noqa: N802

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,12 +23,14 @@ from callbacks.plots import Plots
 from callbacks.progress import ProgressBar
 from callbacks.sweep import SUMMARY_CSV, SweepSummary, objective
 from specflow import compare
-from specflow.engine import Generation
+from specflow.engine import SpeculativePipeline
 from specflow.metrics import flatten_record, flatten_summary
 from specflow.results import RunFolder, read_records, summarize
 from specflow.runner import Runner, RunSettings
-from specflow.state import RoundStats, SamplingParams, StageTimes
+from specflow.state import Draft, SamplingParams
 from specflow.workload import Request
+from stages.exact_acceptor import ExactAcceptor
+from stages.full_verifier import FullVerifier
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -285,21 +286,35 @@ class _Tok:
         return " ".join(map(str, ids))
 
 
-class _CrashingPipeline:
-    """Generates 3 tokens for the first request, raises on the second."""
+class _CrashingDrafter:
+    """Drafts nothing useful for the first request; raises on the second one's first round."""
 
-    target_verifier = SimpleNamespace(info=None)  # the runner wraps it for plain decoding
+    name = "crashing"
+    k = 2
 
     def __init__(self) -> None:
-        self.calls = 0
+        self.requests = 0
 
-    def generate(self, prompt, max_new, sampling, seed) -> Generation:
-        self.calls += 1
-        if self.calls == 2:
+    def begin(self, states) -> None:
+        self.requests += len(states)
+
+    def propose(self, states, ks):
+        if self.requests == 2:
             raise RuntimeError("boom")
-        stats = RoundStats(rounds=2, drafted=4, accepted=1, target_calls=2,
-                           drafted_per_round=[2, 2], accepted_per_round=[1, 0])
-        return Generation([1, 2, 3], stats, StageTimes(verify_s=0.01), 0.02, "length")
+        return [Draft([0] * k) for k in ks]
+
+    def observe(self, states, drafts, target_logits, verdicts) -> None:
+        pass
+
+    def models(self) -> list:
+        return []
+
+    def uses(self) -> list:
+        return []
+
+
+def _crashing_pipeline(lm) -> SpeculativePipeline:
+    return SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=_CrashingDrafter())
 
 
 class _Recorder:
@@ -318,12 +333,12 @@ class _Recorder:
         self.summary = summary
 
 
-def test_crashing_run_finishes_loggers_and_keeps_requests(tmp_path):
+def test_crashing_run_finishes_loggers_and_keeps_requests(tmp_path, tiny_target):
     recorder, jsonl, csv_cb = _Recorder(), JsonlLogger(), CsvLogger()
     settings = RunSettings(max_new_tokens=3, warmup=False, baseline=False,
                            baseline_cache=False, cache_dir=str(tmp_path / "cache"))
-    runner = Runner(_CrashingPipeline(), _Tok(), settings, SamplingParams(0.0, 0, 1.0),
-                    [recorder, jsonl, csv_cb])
+    runner = Runner(_crashing_pipeline(tiny_target[1]), _Tok(), settings,
+                    SamplingParams(0.0, 0, 1.0), [recorder, jsonl, csv_cb])
     requests = [Request(f"q{i}", "writing", (f"prompt {i}",)) for i in range(3)]
     folder = RunFolder(tmp_path / "run", resume=False)
     with pytest.raises(RuntimeError, match="boom"):
@@ -461,12 +476,12 @@ class _Broken:
         raise RuntimeError("logger bug")
 
 
-def test_a_failing_logger_does_not_stop_the_others(tmp_path):
+def test_a_failing_logger_does_not_stop_the_others(tmp_path, tiny_target):
     recorder = _Recorder()
     settings = RunSettings(max_new_tokens=3, warmup=False, baseline=False,
                            baseline_cache=False, cache_dir=str(tmp_path / "cache"))
-    runner = Runner(_CrashingPipeline(), _Tok(), settings, SamplingParams(0.0, 0, 1.0),
-                    [_Broken(), recorder])
+    runner = Runner(_crashing_pipeline(tiny_target[1]), _Tok(), settings,
+                    SamplingParams(0.0, 0, 1.0), [_Broken(), recorder])
     folder = RunFolder(tmp_path / "run", resume=False)
     summary = runner.run([Request("q0", "writing", ("hi",))], folder, {"method": "stub"})
     assert summary["complete"] is True

@@ -122,15 +122,23 @@ class _CatchingUpDrafter:
     def __init__(self, clock_ticks: list[int]) -> None:
         self.clock_ticks = clock_ticks
 
+    name = "catching_up"
+
     def models(self):
         return []
 
-    def begin(self, state: DecodeState) -> None:
+    def uses(self):
+        return []
+
+    def observe(self, states, drafts, target_logits, verdicts) -> None:
         pass
 
-    def propose(self, state: DecodeState, k: int) -> Draft:
+    def begin(self, states: list[DecodeState]) -> None:
+        pass
+
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
         self.clock_ticks[0] += 5
-        return Draft([0] * k, catchup_s=3.0)
+        return [Draft([0] * k, catchup_s=3.0) for k in ks]
 
 
 def test_the_policy_sees_draft_time_without_the_drafters_catch_up(tiny_target):
@@ -152,11 +160,11 @@ def test_the_policy_sees_draft_time_without_the_drafters_catch_up(tiny_target):
 def test_model_drafter_reports_its_catch_up(tiny_target):
     _, lm = tiny_target
     state = DecodeState(tokens=list(range(1, 40)), prompt_len=39, max_len=64)
-    draft = draft_with_model(state, lm, lm.info.num_layers, 2)
+    (draft,) = draft_with_model([state], lm, lm.info.num_layers, [2])
     assert len(draft.tokens) == 2 and draft.catchup_s > 0.0  # the lazy prefill of 38 tokens
     state.tokens += draft.tokens[:1]
-    again = draft_with_model(state, lm, lm.info.num_layers, 2)
-    assert again.catchup_s < draft.catchup_s
+    (again,) = draft_with_model([state], lm, lm.info.num_layers, [2])
+    assert again.catchup_s == 0.0  # one position behind: it rides along the first step
 
 
 def test_each_request_measures_t1_in_one_plain_round():
@@ -170,7 +178,7 @@ def test_each_request_measures_t1_in_one_plain_round():
     policy.observe(state, 4, 1, 4 * 0.5 * T1, T1 * (1 + 0.5 * 4))
     assert policy.choose(state, 4) == 0  # then: measure t1
     policy.observe(state, 0, 0, 0.0, T1)
-    model = state.scratch[id(policy)]
+    model = policy.cost_model(state)
     assert model.t1 == T1 and model.t1_measured
     assert policy.choose(state, 4) == 0  # E[tokens|k] / cost < 1 / t1 for every k
 

@@ -39,13 +39,22 @@ class OracleDrafter:
             k,
         )
 
-    def begin(self, state: DecodeState) -> None:
+    def begin(self, states: list[DecodeState]) -> None:
         pass
 
     def models(self):
         return []
 
-    def propose(self, state: DecodeState, k: int) -> Draft:
+    def uses(self):
+        return []
+
+    def observe(self, states, drafts, target_logits, verdicts) -> None:
+        pass
+
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        return [self._one(st, k) for st, k in zip(states, ks, strict=True)]
+
+    def _one(self, state: DecodeState, k: int) -> Draft:
         start = len(state.tokens) - self.prompt_len
         out = []
         for i, tok in enumerate(self.truth[start : start + k]):

@@ -32,11 +32,11 @@ MAX_NEW = 24
 def run_bandit(selector, means: list[float], horizon: int, seed: int = 0) -> list[int]:
     """Pull Bernoulli arms for ``horizon`` rounds; the arms chosen."""
     rng = random.Random(seed)
-    selector.begin(len(means))
+    stats = selector.begin(len(means))
     chosen = []
     for _ in range(horizon):
-        arm = selector.select()
-        selector.update(arm, float(rng.random() < means[arm]))
+        arm = selector.select(stats)
+        selector.update(stats, arm, float(rng.random() < means[arm]))
         chosen.append(arm)
     return chosen
 
@@ -63,11 +63,11 @@ def test_ucb_regret_grows_logarithmically():
 
 def test_ucb_tries_every_arm_first():
     sel = UCBSelector()
-    sel.begin(4)
+    stats = sel.begin(4)
     picks = []
     for _ in range(4):
-        picks.append(sel.select())
-        sel.update(picks[-1], 0.0)
+        picks.append(sel.select(stats))
+        sel.update(stats, picks[-1], 0.0)
     assert picks == [0, 1, 2, 3]
 
 
@@ -75,12 +75,12 @@ def switching_bandit(selector, seed: int = 1) -> float:
     """Bernoulli arms (0.9, 0.4) for 2000 rounds, then (0.4, 0.7) for 2000 (the best arm
     switches): the share of the last 2000 rounds that chose the new best arm."""
     rng = random.Random(seed)
-    selector.begin(2)
+    stats = selector.begin(2)
     late = []
     for t in range(4000):
         means = [0.9, 0.4] if t < 2000 else [0.4, 0.7]
-        arm = selector.select()
-        selector.update(arm, float(rng.random() < means[arm]))
+        arm = selector.select(stats)
+        selector.update(stats, arm, float(rng.random() < means[arm]))
         if t >= 2000:
             late.append(arm)
     return late.count(1) / len(late)
@@ -95,35 +95,36 @@ def test_discounted_ucb_tracks_a_switch_of_the_best_arm():
 
 def test_fixed_and_round_robin():
     fixed = FixedSelector(2)
-    fixed.begin(3)
-    assert [fixed.select() for _ in range(3)] == [2, 2, 2]
+    stats = fixed.begin(3)
+    assert [fixed.select(stats) for _ in range(3)] == [2, 2, 2]
     with pytest.raises(ConfigError, match="selector.arm=2 but the pool has 2 arms"):
         fixed.begin(2)
     rr = RoundRobinSelector()
-    rr.begin(3)
-    assert [rr.select() for _ in range(5)] == [0, 1, 2, 0, 1]
-    rr.begin(3)
-    assert rr.select() == 0
+    stats = rr.begin(3)
+    assert [rr.select(stats) for _ in range(5)] == [0, 1, 2, 0, 1]
+    other = rr.begin(3)  # another request: its own cycle, from arm 0
+    assert rr.select(other) == 0 and rr.select(stats) == 2
 
 
 def test_selectors_reset_per_request():
     for sel in (UCBSelector(), DiscountedUCBSelector()):
-        run_bandit(sel, [0.1, 0.9], 50)
-        assert sum(sel.counts) > 0
-        sel.begin(2)
-        assert sel.counts == [0.0, 0.0] and sel.sums == [0.0, 0.0]
-        assert sel.select() == 0
+        old = sel.begin(2)
+        for _ in range(5):
+            sel.update(old, sel.select(old), 1.0)
+        assert sum(old.counts) > 0
+        new = sel.begin(2)
+        assert new.counts == [0.0, 0.0] and new.sums == [0.0, 0.0]
+        assert sel.select(new) == 0
 
 
 def test_selector_without_reset_carries_the_run_over():
     sel = UCBSelector(reset=False)
     run_bandit(sel, [0.1, 0.9], 50)
-    counts, sums = list(sel.counts), list(sel.sums)
-    sel.begin(2)
-    assert sel.counts == counts and sel.sums == sums and sum(counts) == 50
-    assert sel.select() == 1  # the better arm straight away, no re-exploration
-    sel.begin(3)  # another pool: nothing to carry over
-    assert sel.counts == [0.0, 0.0, 0.0]
+    stats = sel.begin(2)
+    assert sum(stats.counts) == 50 and stats.sums[1] > stats.sums[0]
+    assert sel.select(stats) == 1  # the better arm straight away, no re-exploration
+    assert sel.begin(2) is stats  # every request of the run shares the statistics
+    assert sel.begin(3).counts == [0.0, 0.0, 0.0]  # another pool: nothing to carry over
 
 
 # ---------------------------------------------------------------- rewards
@@ -148,14 +149,20 @@ class StubDrafter:
     name = "stub"
     k = 3
 
-    def begin(self, state: DecodeState) -> None:
+    def begin(self, states: list[DecodeState]) -> None:
         pass
 
     def models(self) -> list:
         return []
 
-    def propose(self, state: DecodeState, k: int) -> Draft:
-        return Draft(TOKENS[:k])
+    def uses(self) -> list:
+        return []
+
+    def observe(self, states, drafts, target_logits, verdicts) -> None:
+        pass
+
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        return [Draft(TOKENS[:k]) for k in ks]
 
 
 @pytest.mark.parametrize(("reward", "expected"), [("bd", 1.15 / 3), ("be", 1 / 3)])
@@ -164,15 +171,17 @@ def test_pool_reward_from_target_logits(reward, expected):
     sel = UCBSelector()
     pool = PoolDrafter({"a": StubDrafter(), "b": StubDrafter()}, sel, reward=reward)
     state = DecodeState(tokens=[1, 2], prompt_len=2, max_len=16)
-    pool.begin(state)
-    draft = pool.propose(state, 3)
+    pool.begin([state])
+    (draft,) = pool.propose([state], [3])
     logits = torch.cat([P.log(), torch.zeros(1, 4)])  # [k+1, V]
-    pool.observe(state, draft, logits, Acceptance(1, 3))
+    pool.observe([state], [draft], [logits], [Acceptance(1, 3)])
     assert state.stats.arms == [0]
     assert state.stats.rewards[0] == pytest.approx(expected)
-    assert sel.sums[0] == pytest.approx(expected) and sel.counts == [1.0, 0.0]
-    pool.begin(DecodeState(tokens=[1, 2], prompt_len=2, max_len=16))
-    assert sel.counts == [0.0, 0.0]  # reset per request
+    bandit = pool._request.get(state).bandit
+    assert bandit.sums[0] == pytest.approx(expected) and bandit.counts == [1.0, 0.0]
+    other = DecodeState(tokens=[1, 2], prompt_len=2, max_len=16)
+    pool.begin([other])
+    assert pool._request.get(other).bandit.counts == [0.0, 0.0]  # reset per request
 
 
 def test_pool_refuses_bad_config():

@@ -210,7 +210,7 @@ def test_local_folder_native_backend(tmp_path):
     caches = lm.new_layer_caches(16)
     h = lm.embed(ids)
     for layer in range(lm.info.num_layers):
-        h = lm.run_layer(layer, h, caches[layer])
+        h = lm.run_layer(layer, h, [(caches[layer], h.shape[0])], {})
     logits = lm.head(h, lm.info.num_layers)
     with torch.no_grad():
         ref = loaded.hf_model(ids[None]).logits[0]
@@ -297,7 +297,7 @@ def test_prepare_smollm2_matches_gguf_generate():
     for _ in range(8):
         h = lm.embed(step)
         for layer in range(lm.info.num_layers):
-            h = lm.run_layer(layer, h, caches[layer])
+            h = lm.run_layer(layer, h, [(caches[layer], h.shape[0])], {})
         greedy.append(int(lm.head(h[-1:], lm.info.num_layers)[0].argmax()))
         step = torch.tensor(greedy[-1:])
     assert greedy == ref

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from specflow.errors import ConfigError
+from specflow.models.attention import KVCache
 from specflow.models.hf_backend import HFBackendLM
-from specflow.models.native import KVCache, NativeLM, supports
+from specflow.models.native import NativeLM, supports
 from specflow.models.session import ModelSession
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 
@@ -84,7 +85,7 @@ def test_full_forward_matches_hf(arch, overrides):
     caches = lm.new_layer_caches(32)
     h = lm.embed(torch.tensor(tokens))  # [T, H]
     for layer in range(N_LAYERS):
-        h = lm.run_layer(layer, h, caches[layer])
+        h = lm.run_layer(layer, h, [(caches[layer], h.shape[0])], {})
     assert_close(lm.head(h, N_LAYERS), expected)
     assert [c.length for c in caches] == [24] * N_LAYERS
     # The HF model still computes the same after NativeLM re-laid its weights.

@@ -1,4 +1,8 @@
-"""Paged KV cache and batched decoding (CPU): exactness, ragged batches, no block leaks."""
+"""Paged KV cache and batched decoding (CPU): exactness, ragged batches, no block leaks.
+
+The one engine (``specflow.engine`` + ``specflow.scheduler``) runs every batch size over
+contiguous or paged KV; ``tests/test_one_engine.py`` checks every pipeline against HF.
+"""
 
 from __future__ import annotations
 
@@ -10,22 +14,18 @@ import torch.nn.functional as F
 
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.models.session import ModelSession
+from specflow.models.session import ModelSession, forward_logits
+from specflow.models.stores import KVLayout
 from specflow.paged.attention import AttnBatch, sdpa_paged, select_backend
-from specflow.paged.batch_engine import BatchedPipeline, SeqRequest
-from specflow.paged.batched_lm import BatchedLM, PagedSession, batched_logits
 from specflow.paged.cache import BlockAllocator, CacheFullError, PagedKVCache
 from specflow.results import RunFolder
-from specflow.runner import RunSettings
+from specflow.runner import Runner, RunSettings
+from specflow.scheduler import Scheduler, SeqRequest
 from specflow.state import SamplingParams
 from specflow.workload import Request
-from stages.early_exit_verifier import EarlyExitVerifier
 from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
-from stages.layer_skip_drafter import LayerSkipDrafter
-from stages.model_drafter import ModelDrafter
 from stages.pld_drafter import PLDDrafter
-from stages.rejection_acceptor import RejectionAcceptor
 from tests.conftest import hf_greedy
 
 MAX_NEW = 30
@@ -145,11 +145,13 @@ def test_paged_and_contiguous_logits_identical(model, request):
     """Prefill, decode steps, a verification block and a rollback, 3 sequences batched."""
     _, lm = request.getfixturevalue(model)
     top = lm.info.num_layers
-    blm = BatchedLM(lm)
-    cache = blm.new_cache(num_blocks=64, block_size=4)
+    cache = lm.new_paged_cache(num_blocks=64, block_size=4, attention="sdpa")
     seqs = _prompts(3, seed=5)
     refs = [ModelSession(lm, 64) for _ in seqs]
-    paged = [PagedSession(blm, cache, i, 64) for i in range(len(seqs))]
+    paged = [
+        ModelSession(lm, 64, cache.add_sequence(i, 64), lambda i=i: cache.remove_sequence(i))
+        for i in range(len(seqs))
+    ]
     rng = random.Random(1)
 
     def check(spans):
@@ -159,7 +161,7 @@ def test_paged_and_contiguous_logits_identical(model, request):
             want.append(sess.logits(exit_layer, start, end))
         for sess, toks in zip(paged, seqs, strict=True):
             sess.set_tokens(toks)
-        got = batched_logits([(p, e, s, end) for p, (e, s, end) in zip(paged, spans, strict=True)])
+        got = forward_logits([(p, e, s, end) for p, (e, s, end) in zip(paged, spans, strict=True)])
         for w, g in zip(want, got, strict=True):
             torch.testing.assert_close(g, w, atol=5e-5, rtol=0)
 
@@ -188,80 +190,32 @@ def test_paged_and_contiguous_logits_identical(model, request):
 # ---------------------------------------------------------------------------- greedy
 
 
-def _pipelines(target, drafter):
-    def p(**kw):
-        return SpeculativePipeline(FullVerifier(target), ExactAcceptor(), **kw)
-
-    return {
-        "ar": lambda: p(),
-        "pld": lambda: p(drafter=PLDDrafter(k=5)),
-        "sps": lambda: p(drafter=ModelDrafter(drafter, k=3)),
-        "early_exit": lambda: p(drafter=ModelDrafter(target, k=3, exit_layer=2)),
-        "hispec": lambda: p(
-            drafter=ModelDrafter(target, k=2, exit_layer=1),
-            intermediate_verifier=EarlyExitVerifier(target, exit_layer=3, accumulate=3),
-        ),
-        "layer_skip": lambda: p(drafter=LayerSkipDrafter(target, [1, 2], k=3)),
-        "pld_model": lambda: p(
-            drafter=SpeculativePipeline(
-                FullVerifier(drafter),
-                ExactAcceptor(),
-                drafter=PLDDrafter(k=3),
-                level="draft",
-                k=4,
-            )
-        ),
-    }
-
-
-@pytest.mark.parametrize(
-    "method", ["ar", "pld", "sps", "early_exit", "hispec", "layer_skip", "pld_model"]
-)
-def test_batched_greedy_equals_batch_one(method, tiny_target, tiny_drafter):
-    """7 requests through 3 slots (continuous batching): each equals its batch-1 output."""
+def test_continuous_batching_admits_and_retires(tiny_target):
+    """7 requests through 3 slots: occupancy, token counts and no leaked blocks."""
     hf, target = tiny_target
-    pipe = _pipelines(target, tiny_drafter[1])[method]()
+    pipe = SpeculativePipeline(FullVerifier(target), ExactAcceptor(), drafter=PLDDrafter(k=5))
     prompts = _prompts(7)
     want = [pipe.generate(p, MAX_NEW).tokens for p in prompts]
-    if method == "ar":
-        assert want[1] == hf_greedy(hf, prompts[1], MAX_NEW)
-    bp = BatchedPipeline(pipe, batch_size=3, max_context=64, block_size=4)
-    results = bp.generate([SeqRequest(p, MAX_NEW, tag=i) for i, p in enumerate(prompts)])
+    assert want[1] == hf_greedy(hf, prompts[1], MAX_NEW)
+    sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=64)
+    results = sched.generate([SeqRequest(p, MAX_NEW, tag=i) for i, p in enumerate(prompts)])
     got = {r.request.tag: r.generation for r in results}
     assert [got[i].tokens for i in range(len(prompts))] == want
-    assert max(bp.stats.occupancy) == 3 and bp.stats.new_tokens == sum(map(len, want))
-    if method != "ar":
-        assert sum(g.stats.drafted for g in got.values()) > 0
-    if method in ("early_exit", "hispec", "layer_skip"):  # ragged acceptance happened
-        assert len({g.stats.accepted for g in got.values()}) > 1
-    bp.models.check_no_leaks()
-
-
-def test_batched_sampling_equals_batch_one(tiny_target, tiny_drafter):
-    """Per-sequence generators: sampling draws the same numbers as batch 1."""
-    _, target = tiny_target
-    pipe = SpeculativePipeline(
-        FullVerifier(target), RejectionAcceptor(), drafter=ModelDrafter(tiny_drafter[1], k=3)
-    )
-    sampling = SamplingParams(temperature=1.0)
-    prompts = _prompts(4, seed=2)
-    want = [pipe.generate(p, 20, sampling, seed=i).tokens for i, p in enumerate(prompts)]
-    bp = BatchedPipeline(pipe, batch_size=4, max_context=64)
-    reqs = [SeqRequest(p, 20, seed=i, tag=i) for i, p in enumerate(prompts)]
-    got = {r.request.tag: r.generation.tokens for r in bp.generate(reqs, sampling)}
-    assert [got[i] for i in range(len(prompts))] == want
+    assert max(sched.stats.occupancy) == 3 and sched.stats.new_tokens == sum(map(len, want))
+    sched.kv.check_no_leaks()
 
 
 def test_pool_too_small_waits_then_fails_clearly(tiny_target):
     _, target = tiny_target
     pipe = SpeculativePipeline(FullVerifier(target), ExactAcceptor())
-    # Room for one sequence at a time: the second request waits for the first's blocks.
-    bp = BatchedPipeline(pipe, batch_size=2, block_size=4, num_blocks=8)
-    results = bp.generate([SeqRequest([1, 2, 3], 20), SeqRequest([4, 5], 20)])
-    assert len(results) == 2 and max(bp.stats.occupancy) == 1
+    # Room for one sequence at a time (2 x 16 positions in blocks of 4): the second request
+    # waits for the first's blocks.
+    sched = Scheduler(pipe, 2, KVLayout(kind="paged", block_size=4), max_context=16)
+    results = sched.generate([SeqRequest([1, 2, 3], 20), SeqRequest([4, 5], 20)])
+    assert len(results) == 2 and max(sched.stats.occupancy) == 1
     with pytest.raises(CacheFullError):
-        bp.generate([SeqRequest(list(range(1, 40)), 20)])
-    bp.models.check_no_leaks()
+        sched.generate([SeqRequest(list(range(1, 40)), 20)])
+    sched.kv.check_no_leaks()
 
 
 # ---------------------------------------------------------------------------- runner
@@ -277,13 +231,14 @@ class _Tok:
         return " ".join(map(str, ids))
 
 
-def test_batch_runner_records_and_summary(tiny_target, tmp_path):
-    from specflow.paged.batch_runner import BatchRunner
-
+@pytest.mark.parametrize("kv_layout", ["contiguous", "paged"])
+def test_batch_runner_records_and_summary(tiny_target, tmp_path, kv_layout):
     _, target = tiny_target
     pipe = SpeculativePipeline(FullVerifier(target), ExactAcceptor(), drafter=PLDDrafter(k=4))
-    settings = RunSettings(max_new_tokens=12, warmup=True, baseline=True, baseline_cache=False)
-    runner = BatchRunner(pipe, _Tok(), settings, SamplingParams(), batch_size=2)
+    settings = RunSettings(
+        max_new_tokens=12, baseline_cache=False, batch_size=2, kv_layout=kv_layout
+    )
+    runner = Runner(pipe, _Tok(), settings, SamplingParams())
     requests = [
         Request("a", "qa", ("abcabcabc",)),
         Request("b", "mt_bench", ("hello there", "and again")),
@@ -293,7 +248,8 @@ def test_batch_runner_records_and_summary(tiny_target, tmp_path):
     assert summary["complete"] and summary["num_requests"] == 3
     assert summary["fidelity"] == 1.0
     batch = summary["batch"]
-    assert batch["batch_size"] == 2 and batch["throughput_tokens_per_s"] > 0
+    assert batch["batch_size"] == 2 and batch["kv_layout"] == kv_layout
+    assert batch["throughput_tokens_per_s"] > 0 and batch["mean_active"] > 1
     assert batch["baseline_throughput_tokens_per_s"] > 0 and batch["latency_s_p50"] > 0
     rec = {r["request_id"]: r for r in RunFolder(tmp_path, resume=True).records}
     assert len(rec["b"]["turns"]) == 2

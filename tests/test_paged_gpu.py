@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from specflow.engine import SpeculativePipeline
+from specflow.models.session import ModelSession, forward_logits
+from specflow.models.stores import KVLayout, as_dtype
 from specflow.paged.attention import flash_available
-from specflow.paged.batch_engine import BatchedPipeline, SeqRequest
-from specflow.paged.batched_lm import BatchedLM, PagedSession, batched_logits
+from specflow.scheduler import Scheduler, SeqRequest
 from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
@@ -23,7 +24,7 @@ PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6], [2], list(ra
 
 @pytest.fixture(scope="module")
 def gpu_pair():
-    """head_dim 64 (flash kernels' common size); CPU weights, copied to CUDA by BatchedLM."""
+    """head_dim 64 (flash kernels' common size); CPU weights, moved to CUDA by ``to``."""
     return make_pair("llama", seed=0, num_layers=4, hidden_size=256)
 
 
@@ -34,16 +35,19 @@ def gpu_drafter():
 
 def _logits(lm, attention: str, dtype, seqs, device: str = "cuda", block_size: int = 256):
     """Logits of every position: a batched prefill of all but 3 tokens, then 3-token blocks."""
-    blm = BatchedLM(lm, device=device, dtype=dtype, attention=attention)
-    cache = blm.new_cache(num_blocks=len(seqs) * (256 // block_size), block_size=block_size)
-    sessions = [PagedSession(blm, cache, i, 256) for i in range(len(seqs))]
+    placed = lm.to(torch.device(device), as_dtype(dtype, lm.dtype))
+    cache = placed.new_paged_cache(len(seqs) * (256 // block_size), block_size, attention)
+    sessions = [
+        ModelSession(placed, 256, cache.add_sequence(i, 256), lambda i=i: cache.remove_sequence(i))
+        for i in range(len(seqs))
+    ]
     out = []
     for cut in (3, 0):
         reqs = []
         for sess, s in zip(sessions, seqs, strict=True):
             sess.set_tokens(s[: len(s) - cut])
             reqs.append((sess, 4, 0 if cut else len(s) - 3, len(s) - cut))
-        out.append(torch.cat(batched_logits(reqs)).float().cpu())
+        out.append(torch.cat(forward_logits(reqs)).float().cpu())
     for sess in sessions:
         sess.release()
     cache.allocator.check_no_leaks()
@@ -83,22 +87,23 @@ def test_batched_greedy_on_cuda_equals_batch_one(gpu_pair, gpu_drafter, method):
     }[method]
     pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
     want = [pipe.generate(p, 24).tokens for p in PROMPTS]
-    bp = BatchedPipeline(pipe, batch_size=3, device="cuda", attention="sdpa", max_context=128)
-    res = bp.generate([SeqRequest(p, 24, tag=i) for i, p in enumerate(PROMPTS)])
+    layout = KVLayout(kind="paged", device="cuda", attention="sdpa")
+    sched = Scheduler(pipe, 3, layout, max_context=128)
+    res = sched.generate([SeqRequest(p, 24, tag=i) for i, p in enumerate(PROMPTS)])
     got = {r.request.tag: r.generation.tokens for r in res}
     same = sum(got[i] == want[i] for i in range(len(PROMPTS)))
     assert same >= len(PROMPTS) - 1  # fp32 on GPU: a near-tie may flip one late token
-    bp.models.check_no_leaks()
+    sched.kv.check_no_leaks()
 
 
 @needs_flash
 def test_batched_flash_runs_and_frees(gpu_pair):
     _, lm = gpu_pair
     pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=PLDDrafter(k=5))
-    bp = BatchedPipeline(
-        pipe, batch_size=3, device="cuda", dtype="bfloat16", attention="flash", max_context=256
-    )
-    assert bp.attention == "flash" and bp.block_size % 256 == 0
-    res = bp.generate([SeqRequest(p, 24) for p in PROMPTS])
+    layout = KVLayout(kind="paged", device="cuda", dtype="bfloat16", attention="flash")
+    sched = Scheduler(pipe, 3, layout, max_context=256)
+    pool = sched.kv.pools[0]
+    assert pool.attention.name == "flash" and pool.block_size % 256 == 0
+    res = sched.generate([SeqRequest(p, 24) for p in PROMPTS])
     assert len(res) == len(PROMPTS) and all(r.generation.tokens for r in res)
-    bp.models.check_no_leaks()
+    sched.kv.check_no_leaks()

@@ -36,6 +36,7 @@ class CountingLM:
     def __init__(self, lm):
         self.lm = lm
         self.info = lm.info
+        self.device, self.dtype = lm.device, lm.dtype
         self.live: dict[int, set[int]] = {}
         self.evals = [0] * lm.info.num_layers
         self.incarnations = 0
@@ -43,19 +44,26 @@ class CountingLM:
     def new_layer_caches(self, max_len):
         return self.lm.new_layer_caches(max_len)
 
+    def new_paged_cache(self, num_blocks, block_size, attention, num_layers=None):
+        return self.lm.new_paged_cache(num_blocks, block_size, attention, num_layers)
+
+    def to(self, device, dtype):
+        return self
+
     def embed(self, ids):
         return self.lm.embed(ids)
 
-    def run_layer(self, layer, hidden, cache):
+    def run_layer(self, layer, hidden, batch, memo):
+        ((cache, t),) = batch  # one request
         start = cache.length
-        for p in range(start, start + hidden.shape[0]):
+        for p in range(start, start + t):
             if layer == 0:
                 self.live[p] = set()
                 self.incarnations += 1
             assert layer not in self.live[p], f"layer {layer} recomputed position {p}"
             self.live[p].add(layer)
         self.evals[layer] += hidden.shape[0]
-        return self.lm.run_layer(layer, hidden, cache)
+        return self.lm.run_layer(layer, hidden, batch, memo)
 
     def head(self, hidden, exit_layer):
         return self.lm.head(hidden, exit_layer)
@@ -138,9 +146,9 @@ def test_caches_after_rollback_equal_a_fresh_computation(deep):
     _, lm = deep
     pipe = hispec(lm)
     state = DecodeState(tokens=list(PROMPTS[1]), prompt_len=len(PROMPTS[1]), max_len=80)
-    pipe.begin(state)
+    pipe.begin([state])
     for _ in range(6):
-        pipe.run_round(state, 30)
+        pipe.run_round([state], [30])
     session = state.session(lm)
     session.set_tokens(state.tokens)  # rollback of whatever the last round left
     fresh = ModelSession(lm, 80)

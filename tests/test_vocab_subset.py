@@ -39,7 +39,7 @@ def test_greedy_drafts_come_from_the_subset(tiny_drafter):
     _, lm = tiny_drafter
     state = DecodeState(tokens=[1, 5, 9], prompt_len=3, max_len=32)
     head = SubVocabHead.build(lm, 4, always=[9])
-    draft = draft_with_model(state, lm, lm.info.num_layers, 6, subvocab=head)
+    (draft,) = draft_with_model([state], lm, lm.info.num_layers, [6], subvocabs=[head])
     assert len(draft.tokens) == 6 and set(draft.tokens) <= {0, 1, 2, 3, 9}
 
 

@@ -1,17 +1,17 @@
 """One pass per prompt: greedy self-generated continuations *and* the hidden states to cache.
 
-For each prompt of ``P`` tokens, ``NativeLM.run_layer`` prefills positions ``[0, P)`` (batch
-1, exact), keeping ``h_L`` at every requested exit and ``h_N``; then up to ``G`` greedy tokens
-are decoded for a batch of prompts at once: every decode step runs one token per sequence
-through each layer with the MLP and projections batched over sequences (the weights are
-read once per step instead of once per sequence, which is what makes CPU decoding cheap)
-and attention per sequence over its own ``KVCache``.  The new token's hidden states are
-the next position's cached states, so nothing is computed twice.
+For each prompt of ``P`` tokens, the model's ``run_layer`` prefills positions ``[0, P)`` (a
+batch of one), keeping ``h_L`` at every requested exit and ``h_N``; then up to ``G`` greedy
+tokens are decoded for a batch of prompts at once: every decode step is one ``run_layer``
+per layer over a ragged batch of one token per sequence (the MLP and projections batched over
+sequences: the weights are read once per step instead of once per sequence, which is what
+makes CPU decoding cheap; attention per sequence over its own contiguous cache).  Only the
+model's public ``LayeredLM`` API is used.  The new token's hidden states are the next
+position's cached states, so nothing is computed twice.
 
 Positions with cached states are ``[0, P+G-1)`` (the last generated token is never fed
 back).  Row ``p``'s final logits predict token ``p+1``; on the generated part their argmax
-*is* token ``p+1`` (greedy).  The batched step computes what ``run_layer`` computes (same
-weights, same formulas; only float summation order differs) -- tested on tiny models.
+*is* token ``p+1`` (greedy).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from specflow.models.native import KVCache, NativeLM
+from specflow.models.base import LayeredLM, LayerKV
 
 
 @dataclass
@@ -37,49 +36,19 @@ class Generated:
     hidden: dict[int, torch.Tensor]
 
 
-def _decode_layer(
-    lm: NativeLM, layer: int, hidden: torch.Tensor, caches: list[KVCache]
-) -> torch.Tensor:
-    """``h_layer [B, H] -> h_{layer+1} [B, H]``: one new position per sequence ``b``, at
-    ``caches[b].length``; the same math as ``NativeLM.run_layer`` with ``T = 1``."""
-    w = lm.layers[layer]
-    nh, kh, d, hs = lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.hidden_size
-    b = hidden.shape[0]
-    x = F.rms_norm(hidden, (hs,), w.ln1, lm.eps)
-    qkv = F.linear(x, w.wqkv, w.bqkv)  # [B, (NH + 2KH) * D]
-    qk = qkv[:, : (nh + kh) * d].view(b, nh + kh, d)
-    v = qkv[:, (nh + kh) * d :].view(b, kh, d)
-    pos = torch.tensor([c.length for c in caches], device=hidden.device)
-    qk = qk * lm.cos[pos, None] + qk.roll(d // 2, -1) * lm.sin_signed[pos, None]
-    outs = []
-    for i, cache in enumerate(caches):
-        s = cache.length
-        cache.k[:, s] = qk[i, nh:]
-        cache.v[:, s] = v[i]
-        cache.length = s + 1
-        q = qk[i, :nh].reshape(kh, nh // kh, d)  # [KH, r, D]
-        scores = torch.bmm(q, cache.k[:, : s + 1].transpose(1, 2)).mul_(lm.scale)
-        probs = scores.softmax(-1, dtype=torch.float32).to(lm.dtype)  # [KH, r, s+1]
-        outs.append(torch.bmm(probs, cache.v[:, : s + 1]).reshape(nh * d))
-    att = torch.stack(outs)  # [B, NH * D]
-    hidden = hidden + F.linear(att, w.wo, w.bo)
-    x = F.rms_norm(hidden, (hs,), w.ln2, lm.eps)
-    gate, up = F.linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate) * up, w.w_down, w.b_down)
-
-
 @torch.inference_mode()
 def prefill(
-    lm: NativeLM, prompt: list[int], layers: list[int], max_len: int
-) -> tuple[dict[int, torch.Tensor], list[KVCache], int]:
+    lm: LayeredLM, prompt: list[int], layers: list[int], max_len: int
+) -> tuple[dict[int, torch.Tensor], list[LayerKV], int]:
     """Run the prompt through every layer; return (``{L: h_L [P, H]}`` for ``layers`` and
     ``N``, the filled caches, the greedy next token)."""
     n = lm.info.num_layers
     caches = lm.new_layer_caches(max_len)
     h = lm.embed(torch.tensor(prompt, dtype=torch.long))
     kept = {}
+    memo: dict = {}
     for layer in range(n):
-        h = lm.run_layer(layer, h, caches[layer])
+        h = lm.run_layer(layer, h, [(caches[layer], len(prompt))], memo)
         if layer + 1 in layers or layer + 1 == n:
             kept[layer + 1] = h.float().clone()
     first = int(lm.head(h[-1:], n).argmax(-1))
@@ -88,7 +57,7 @@ def prefill(
 
 @torch.inference_mode()
 def generate_with_hidden(
-    lm: NativeLM,
+    lm: LayeredLM,
     prompts: list[list[int]],
     layers: list[int],
     max_new_tokens: int,
@@ -117,8 +86,10 @@ def generate_with_hidden(
             if not active:
                 break
             h = lm.embed(torch.tensor([states[j][0][-1] for j in active]))  # [B, H]
+            memo: dict = {}
             for layer in range(n):
-                h = _decode_layer(lm, layer, h, [states[j][2][layer] for j in active])
+                batch = [(states[j][2][layer], 1) for j in active]  # one token per sequence
+                h = lm.run_layer(layer, h, batch, memo)  # [B, H]
                 if layer + 1 in states[active[0]][1]:
                     for row, j in enumerate(active):
                         states[j][1][layer + 1].append(h[row : row + 1].float().clone())

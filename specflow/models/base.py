@@ -9,20 +9,27 @@ A ``LayeredLM`` is a causal LM cut into its parts:
 is the ordinary model; a smaller exit is early-exit/self-speculative drafting, using a
 trained exit head when one is loaded for ``L`` and the shared final norm + LM head otherwise.
 
-Each layer owns a ``LayerKV``: the keys/values of the positions it has computed so far,
-``[0, length)``.  ``run_layer`` appends the new positions; ``truncate(n)`` is rollback.
-The bookkeeping across layers (which positions each layer has computed, the hidden states
-kept at layer boundaries) lives in ``specflow.models.session.ModelSession``.
+Each layer of each sequence owns a ``LayerKV``: the keys/values of the positions it has
+computed so far, ``[0, length)``.  ``run_layer`` runs one layer for a *ragged batch* of
+sequences (batch 1 is a batch of one) and appends each sequence's new positions to its
+``LayerKV``; ``truncate(n)`` is rollback.  Where keys live (a contiguous buffer per sequence,
+or blocks of a paged pool) is the ``LayerKV``'s business: the model meets it only through the
+attention backend the ``LayerKV`` names.  The bookkeeping across layers (which positions each
+layer has computed, the hidden states kept at layer boundaries) lives in
+``specflow.models.session``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from specflow.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specflow.paged.cache import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ class ModelInfo:
 
 @runtime_checkable
 class LayerKV(Protocol):
-    """The key/value cache of one decoder layer: positions ``[0, length)`` are computed."""
+    """The key/value cache of one decoder layer of one sequence: positions ``[0, length)``."""
 
     @property
     def length(self) -> int: ...
@@ -63,27 +70,43 @@ class LayerKV(Protocol):
         """Forget positions ``>= n`` (no-op when ``n >= length``)."""
 
 
+# A ragged batch for one layer: (that sequence's LayerKV, its number of new positions t_i).
+LayerBatch = list[tuple[LayerKV, int]]
+
+
 @runtime_checkable
 class LayeredLM(Protocol):
     """A causal LM whose decoder layers can be run one range at a time (see module doc)."""
 
     info: ModelInfo
+    device: torch.device
+    dtype: torch.dtype
 
     def new_layer_caches(self, max_len: int) -> list[LayerKV]:
-        """One empty ``LayerKV`` per decoder layer, able to hold ``max_len`` positions."""
+        """One empty contiguous ``LayerKV`` per decoder layer for ``max_len`` positions."""
+
+    def new_paged_cache(self, num_blocks: int, block_size: int, attention: str) -> PagedKVCache:
+        """A paged KV pool for this model's layers (``ConfigError`` if it cannot page)."""
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """``token_ids [T] -> h_0 [T, H]``."""
+        """``token_ids [N] -> h_0 [N, H]``."""
 
-    def run_layer(self, layer: int, hidden: torch.Tensor, cache: LayerKV) -> torch.Tensor:
-        """``h_layer [T, H] -> h_{layer+1} [T, H]`` for positions ``[L, L+T)``, L = cache.length.
+    def run_layer(
+        self, layer: int, hidden: torch.Tensor, batch: LayerBatch, memo: dict
+    ) -> torch.Tensor:
+        """``h_layer [N, H] -> h_{layer+1} [N, H]`` for a ragged batch.
 
-        Attends to the cached positions and causally within the block; appends the
-        block's keys/values to ``cache``.
+        ``batch[i] = (kv_i, t_i)``: rows ``sum(t_<i) .. + t_i`` of ``hidden`` are positions
+        ``[kv_i.length, kv_i.length + t_i)`` of sequence i.  Each sequence attends to its
+        cached positions and causally within its block; the block's keys/values are
+        appended to ``kv_i``.  ``memo`` caches addressing across the layers of one forward.
         """
 
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
-        """``h_exit [T, H] -> logits [T, V]`` (float32) at exit ``exit_layer`` in 1..N."""
+        """``h_exit [N, H] -> logits [N, V]`` (float32) at exit ``exit_layer`` in 1..N."""
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> LayeredLM:
+        """This model on ``device`` / ``dtype`` (itself when nothing changes)."""
 
 
 def check_same_tokenizer(drafter: ModelInfo, target: ModelInfo) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from specflow.errors import PromptTooLongError
+from specflow.errors import ConfigError, PromptTooLongError
 from specflow.models.base import ModelInfo
 
 
@@ -57,6 +57,7 @@ class HFBackendLM:
         self.lm_head = hf_model.get_output_embeddings()
         self.softcap = getattr(hf_model.config, "final_logit_softcapping", None)
         self.device = next(hf_model.parameters()).device
+        self.dtype = next(hf_model.parameters()).dtype
         extra = {**info.extra, "real_num_layers": info.num_layers}
         self.info = dataclasses.replace(info, num_layers=1, extra=extra)
 
@@ -64,12 +65,41 @@ class HFBackendLM:
         """One ``HFLayerKV`` (the single "layer") for up to ``max_len`` positions."""
         return [HFLayerKV(self.hf_model.config, max_len)]
 
+    def new_paged_cache(
+        self, num_blocks: int, block_size: int, attention: str, num_layers: int | None = None
+    ):  # noqa: ANN201 - never returns
+        raise ConfigError(
+            f"{self.info.name} runs on the generic transformers backend, which keeps its own "
+            f"contiguous cache: set runner.kv_layout=contiguous (paged KV needs "
+            f"model.backend=native, Llama/Qwen2 models)"
+        )
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> HFBackendLM:
+        param = next(self.hf_model.parameters())
+        if torch.device(device).type == param.device.type and dtype == param.dtype:
+            return self
+        raise ConfigError(
+            f"{self.info.name} runs on the generic transformers backend, which is not moved: "
+            f"load it with the device/dtype you run it on (model.dtype), or use the native "
+            f"backend"
+        )
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``token_ids [T] -> token_ids [T]`` (long): embedding happens inside layer 0."""
         return token_ids.to(device=self.device, dtype=torch.long)
 
     @torch.inference_mode()
-    def run_layer(self, layer: int, hidden: torch.Tensor, cache: HFLayerKV) -> torch.Tensor:
+    def run_layer(
+        self, layer: int, hidden: torch.Tensor, batch: list[tuple[HFLayerKV, int]], memo: dict
+    ) -> torch.Tensor:
+        """``token_ids [N] -> last hidden states [N, H]``: the batch's sequences one by one."""
+        outs, row = [], 0
+        for cache, t in batch:
+            outs.append(self._run_one(layer, hidden[row : row + t], cache))
+            row += t
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _run_one(self, layer: int, hidden: torch.Tensor, cache: HFLayerKV) -> torch.Tensor:
         """``token_ids [T] -> last hidden state [T, H]`` for positions ``[cache.length, +T)``."""
         if layer != 0:
             raise ValueError(f"HFBackendLM has one layer (0), got layer {layer}")

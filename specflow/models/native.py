@@ -16,14 +16,20 @@ Attention is causal *lower-right aligned*: query ``s+i`` sees keys ``<= s+i``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specflow.errors import ConfigError, PromptTooLongError
-from specflow.models.base import ModelInfo
+from specflow.models.attention import KVCache
+from specflow.models.base import LayerBatch, ModelInfo
+
+if TYPE_CHECKING:
+    from specflow.paged.cache import PagedKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -64,28 +70,6 @@ def supports(hf_config) -> tuple[bool, str]:
     if heads % kv_heads:
         return False, f"{heads} attention heads are not a multiple of {kv_heads} KV heads"
     return True, ""
-
-
-class KVCache:
-    """Keys/values of one layer: positions ``[0, length)`` of preallocated buffers are valid.
-
-    ``k``, ``v``: ``[kv_heads, max_len, head_dim]``; RoPE is already applied to ``k``.
-    ``truncate`` only lowers ``length``; stale rows beyond it are overwritten on the next write.
-    """
-
-    def __init__(
-        self, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device
-    ) -> None:
-        self.k = torch.zeros(kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0
-
-    def truncate(self, n: int) -> None:
-        """Forget positions ``>= n`` (no-op when ``n >= length``)."""
-        if n < 0:
-            raise ValueError(f"cannot truncate a KV cache to {n} positions")
-        self.length = min(self.length, n)
 
 
 @dataclass
@@ -181,6 +165,7 @@ class NativeLM:
         self.dtype = embed_weight.dtype
         self.device = embed_weight.device
         self.exit_heads: dict[int, nn.Module] = {}
+        self._placed: dict[tuple[str, torch.dtype], NativeLM] = {}  # see ``to``
         # RoPE tables exactly as HF's default rope: fp32 angles, cast to the model dtype.
         inv_freq = 1.0 / (
             rope_theta
@@ -193,8 +178,6 @@ class NativeLM:
         self.cos = emb.cos().to(self.dtype)  # [P, D]
         # rotate_half(x) * sin == roll(x, D/2) * (sign * sin): fold the sign into the table.
         self.sin_signed = (emb.sin().to(self.dtype) * sign.to(self.dtype)).contiguous()  # [P, D]
-        self._mask_key: tuple[int, int] | None = None
-        self._mask: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -252,68 +235,99 @@ class NativeLM:
         kv = (self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
         return [KVCache(*kv) for _ in self.layers]
 
+    def new_paged_cache(
+        self, num_blocks: int, block_size: int, attention: str, num_layers: int | None = None
+    ) -> PagedKVCache:
+        """A paged pool for ``num_layers`` (default: all) layers of this model."""
+        from specflow.paged.cache import PagedKVCache
+
+        return PagedKVCache(
+            num_layers or self.info.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=self.device,
+            attention=attention,
+        )
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> NativeLM:
+        """This model's weights on ``device`` / ``dtype`` (``self`` when nothing changes;
+        one copy per placement, memoised)."""
+        device = torch.device(device)
+        if device.type == self.device.type and dtype == self.dtype:
+            return self
+        key = (str(device), dtype)
+        moved = self._placed.get(key)
+        if moved is not None:
+            return moved
+
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        with torch.no_grad():
+            layers = [
+                _Layer(**{f.name: mv(getattr(w, f.name)) for f in fields(_Layer)})
+                for w in self.layers
+            ]
+            moved = NativeLM(
+                self.info,
+                embed_weight=mv(self.embed_weight),
+                layers=layers,
+                final_norm=mv(self.final_norm),
+                lm_head=mv(self.lm_head),
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                rms_eps=self.eps,
+                rope_theta=10000.0,  # the tables are moved below, not recomputed
+                max_positions=1,
+            )
+            moved.cos = self.cos.to(device=device, dtype=dtype)
+            moved.sin_signed = self.sin_signed.to(device=device, dtype=dtype)
+            moved.exit_heads = {
+                e: copy.deepcopy(m).to(device=device, dtype=dtype)
+                for e, m in self.exit_heads.items()
+            }
+        self._placed[key] = moved
+        return moved
+
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``token_ids [T] -> h_0 [T, H]``."""
         return F.embedding(token_ids.to(self.device), self.embed_weight)
 
-    def _causal_mask(self, start: int, t: int) -> torch.Tensor:
-        """Additive mask ``[r*t, start+t]`` for the GQA-folded queries (see ``run_layer``).
-
-        Row ``j*t + i`` is query position ``start+i`` of the ``j``-th head in a KV group: 0 for
-        keys ``<= start+i``, -inf after (lower-right aligned).  Cached for the last ``(start, t)``
-        since every layer of a block asks for the same one.
-        """
-        if self._mask_key != (start, t):
-            keys = torch.arange(start + t, device=self.device)  # [start+t]
-            queries = torch.arange(start, start + t, device=self.device)  # [t]
-            mask = torch.zeros(t, start + t, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(keys[None, :] > queries[:, None], float("-inf"))
-            self._mask = mask.repeat(self.num_heads // self.num_kv_heads, 1)  # [r*t, start+t]
-            self._mask_key = (start, t)
-        return self._mask
-
     @torch.inference_mode()
-    def run_layer(self, layer: int, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """``h_layer [T, H] -> h_{layer+1} [T, H]`` for positions ``[cache.length, +T)``.
+    def run_layer(
+        self, layer: int, hidden: torch.Tensor, batch: LayerBatch, memo: dict
+    ) -> torch.Tensor:
+        """``h_layer [N, H] -> h_{layer+1} [N, H]`` for a ragged batch (``LayeredLM`` doc).
 
-        Attention is two ``bmm``s with the query heads of each KV group folded into the query
-        axis (``[KH, r*T, D]``): no K/V copies, and 3-20x faster on CPU than
-        ``scaled_dot_product_attention`` (which falls back to its math path with GQA/masks).
+        Projections, RoPE and the MLP run on the packed rows (one matmul per weight for the
+        whole batch); keys/values are written and attended by the batch's backend.
         """
+        attention = batch[0][0].attention  # type: ignore[attr-defined]
+        rows = attention.positions(batch, memo)  # [N] positions (a slice for one sequence)
         w = self.layers[layer]
-        t = hidden.shape[0]
-        s = cache.length
-        e = s + t
-        if e > cache.max_len:
-            raise PromptTooLongError(
-                f"position {e} is beyond this KV cache's {cache.max_len} positions"
-            )
+        n = hidden.shape[0]
         nh, kh, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.hidden_size
 
-        x = F.rms_norm(hidden, (h,), w.ln1, self.eps)  # [T, H]
-        qkv = F.linear(x, w.wqkv, w.bqkv)  # [T, (NH + 2KH) * D]
-        qk = qkv[:, : (nh + kh) * d].view(t, nh + kh, d)  # [T, NH + KH, D]
-        v = qkv[:, (nh + kh) * d :].view(t, kh, d)  # [T, KH, D]
-        qk = qk * self.cos[s:e, None] + qk.roll(d // 2, -1) * self.sin_signed[s:e, None]
-        cache.k[:, s:e] = qk[:, nh:].transpose(0, 1)  # [KH, T, D]
-        cache.v[:, s:e] = v.transpose(0, 1)
-        cache.length = e
-        q = qk[:, :nh].transpose(0, 1).reshape(kh, (nh // kh) * t, d)  # [KH, r*T, D]
-        keys_t = cache.k[:, :e].transpose(1, 2)  # [KH, D, e]
-        if t == 1:
-            scores = torch.bmm(q, keys_t).mul_(self.scale)  # [KH, r, e]
-        else:
-            scores = torch.baddbmm(self._causal_mask(s, t), q, keys_t, alpha=self.scale)
-        probs = scores.softmax(-1, dtype=torch.float32).to(self.dtype)  # [KH, r*T, e]
-        att = torch.bmm(probs, cache.v[:, :e]).view(nh, t, d)  # [NH, T, D]
-        x = F.linear(att.transpose(0, 1).reshape(t, nh * d), w.wo, w.bo)  # [T, H]
+        x = F.rms_norm(hidden, (h,), w.ln1, self.eps)  # [N, H]
+        qkv = F.linear(x, w.wqkv, w.bqkv)  # [N, (NH + 2KH) * D]
+        qk = qkv[:, : (nh + kh) * d].view(n, nh + kh, d)  # [N, NH + KH, D]
+        v = qkv[:, (nh + kh) * d :].view(n, kh, d)  # [N, KH, D]
+        cos = self.cos[rows].unsqueeze(1)  # [N, 1, D]
+        sin = self.sin_signed[rows].unsqueeze(1)
+        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        att = attention.attend(qk[:, :nh], qk[:, nh:], v, batch, self.scale, memo)  # [N, NH, D]
+        x = F.linear(att.reshape(n, nh * d), w.wo, w.bo)  # [N, H]
         hidden = hidden + x
 
-        x = F.rms_norm(hidden, (h,), w.ln2, self.eps)  # [T, H]
-        gate, up = F.linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)  # [T, I] each
-        return hidden + F.linear(F.silu(gate) * up, w.w_down, w.b_down)  # [T, H]
+        x = F.rms_norm(hidden, (h,), w.ln2, self.eps)  # [N, H]
+        gate, up = F.linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)  # [N, I] each
+        return hidden + F.linear(F.silu(gate) * up, w.w_down, w.b_down)  # [N, H]
 
     @torch.no_grad()
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:

@@ -15,9 +15,17 @@ shallower one stopped and no layer ever runs twice on the same position (HiSpec'
 Rollback is ``set_tokens``: give the session the sequence you want; it keeps the longest
 common prefix of every layer's cache and of the kept hidden states and drops the rest.
 A drafter whose model was idle while tokens were committed catches up lazily the same way.
+
+A session does not care where its keys/values live: its per-layer ``LayerKV``s come from a
+KV store (``specflow.models.stores``): contiguous buffers of its own, or a sequence of a paged
+pool shared with other requests.  ``forward_hidden`` / ``forward_logits`` answer the question
+for many sessions of one model at once, one batched ``run_layer`` per layer: a batch of
+sequences is the one code path, and ``ModelSession.hidden`` is a batch of one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -37,9 +45,22 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class ModelSession:
-    """Token sequence + layered KV cache of one model for one request (see module doc)."""
+    """Token sequence + layered KV cache of one model for one request (see module doc).
 
-    def __init__(self, model: LayeredLM, max_len: int) -> None:
+    Args:
+        model: the model (already on the device it runs on).
+        max_len: the most positions this request may hold.
+        caches: one ``LayerKV`` per decoder layer (default: contiguous ones of the model).
+        release: frees the caches' storage (a paged sequence's blocks) when the request ends.
+    """
+
+    def __init__(
+        self,
+        model: LayeredLM,
+        max_len: int,
+        caches: list[LayerKV] | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
         if max_len > model.info.max_positions:
             raise PromptTooLongError(
                 f"requested a context of {max_len} positions but {model.info.name} supports "
@@ -48,7 +69,10 @@ class ModelSession:
         self.model = model
         self.max_len = max_len
         self.tokens: list[int] = []
-        self.caches: list[LayerKV] = model.new_layer_caches(max_len)
+        self.caches: list[LayerKV] = (
+            caches if caches is not None else model.new_layer_caches(max_len)
+        )
+        self._release = release
         n = model.info.num_layers
         # kept[l]: h_l of positions [computed(l), computed(l-1)), shape [*, H]; kept[0] unused.
         self.kept: list[torch.Tensor | None] = [None] * (n + 1)
@@ -57,6 +81,12 @@ class ModelSession:
         self.final_hidden: torch.Tensor | None = None
         self.final_start = 0
         self.layer_evals = 0  # sum over layers of positions processed (for reuse tests/metrics)
+
+    def release(self) -> None:
+        """The request is over: give the KV storage back (the session is unusable after)."""
+        if self._release is not None:
+            self._release()
+            self._release = None
 
     # ---------------------------------------------------------------- bookkeeping
     @property
@@ -117,25 +147,11 @@ class ModelSession:
         Returns ``(h, start)`` where ``h [rows, H]`` is ``h_exit`` for positions
         ``[start, start+rows)`` with ``start+rows >= end``: for an early exit, the positions
         layer ``exit_layer`` has not consumed yet; for the last exit, the positions the
-        last layer computed most recently.
+        last layer computed most recently.  (``forward_hidden`` for a batch of one.)
         """
-        n_layers = self.num_layers
-        if not 1 <= exit_layer <= n_layers:
-            raise ValueError(f"exit layer must be in 1..{n_layers}, got {exit_layer}")
-        if end > len(self.tokens):
-            raise ValueError(f"position {end} is beyond the sequence ({len(self.tokens)} tokens)")
-        for layer in range(exit_layer):
-            done = self.computed(layer)
-            if done >= end:
-                continue
-            if layer == 0:
-                inp = self.model.embed(torch.tensor(self.tokens[done:end], dtype=torch.long))
-            else:
-                inp = self._take_kept(layer, done, end)
-            self._store(layer, done, self.model.run_layer(layer, inp, self.caches[layer]))
-        return self._result(exit_layer)
+        return forward_hidden([(self, exit_layer, end)])[0]
 
-    # The steps of `hidden`'s layer loop (also driven, batched, by specflow.paged).
+    # The steps of `forward_hidden`'s layer loop.
     def _take_kept(self, layer: int, done: int, end: int) -> torch.Tensor:
         """Input rows of ``layer`` for positions ``[done, end)``, consumed from ``kept``
         (``kept[layer]`` covers ``[done, computed(layer-1))`` and ``computed(layer-1) >= end``)."""
@@ -168,7 +184,7 @@ class ModelSession:
         return kept, self.computed(exit_layer)
 
     def _empty(self) -> torch.Tensor:
-        return torch.empty(0, self.model.info.hidden_size)
+        return torch.empty(0, self.model.info.hidden_size, device=self.model.device)
 
     def logits(self, exit_layer: int, start: int, end: int) -> torch.Tensor:
         """Logits ``[end-start, V]`` at ``exit_layer`` for positions ``[start, end)``.
@@ -180,16 +196,100 @@ class ModelSession:
     def exit_hidden(self, exit_layer: int, start: int, end: int) -> torch.Tensor:
         """Hidden states ``h_exit [end-start, H]`` for positions ``[start, end)`` (computing
         what is missing), the input of the exit's head."""
-        h, h_start = self.hidden(exit_layer, end)
-        if start < h_start:
-            raise RuntimeError(
-                f"positions from {start} at exit {exit_layer} were consumed by a deeper layer "
-                f"(kept from {h_start}); ask for them before running deeper"
-            )
-        return h[start - h_start : end - h_start]
+        return forward_exit_hidden([(self, exit_layer, start, end)])[0]
 
     def prefill(self, exit_layer: int | None = None) -> None:
         """Compute every position but the last at layers ``< exit_layer`` (default: all)."""
         exit_layer = exit_layer or self.num_layers
         if len(self.tokens) > 1:
             self.hidden(exit_layer, len(self.tokens) - 1)
+
+
+# A question to a session: (session, exit layer, first position, end position).
+Query = tuple[ModelSession, int, int, int]
+
+
+def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[torch.Tensor, int]]:
+    """``ModelSession.hidden(exit, end)`` for many sessions of one model, batched per layer.
+
+    ``requests[i] = (session, exit_layer, end)``; the sessions are distinct sequences of the
+    same model.  Layer by layer, every session still missing positions contributes its rows
+    ``[computed(layer), end)`` to ONE ``run_layer`` call (a ragged batch).
+    Returns ``(h, start)`` per request, as ``ModelSession.hidden``.
+    """
+    if not requests:
+        return []
+    model = requests[0][0].model
+    for sess, exit_layer, end in requests:
+        if sess.model is not model:
+            raise ValueError("forward_hidden needs sessions of one model")
+        if not 1 <= exit_layer <= sess.num_layers:
+            raise ValueError(f"exit layer must be in 1..{sess.num_layers}, got {exit_layer}")
+        if end > len(sess.tokens):
+            raise ValueError(f"position {end} is beyond the sequence ({len(sess.tokens)} tokens)")
+    memo: dict = {}
+    for layer in range(max(e for _, e, _ in requests)):
+        todo = [
+            (sess, sess.computed(layer), end)
+            for sess, exit_layer, end in requests
+            if exit_layer > layer and sess.computed(layer) < end
+        ]
+        if not todo:
+            continue
+        if layer == 0:
+            ids = [tok for sess, done, end in todo for tok in sess.tokens[done:end]]
+            inp = model.embed(torch.tensor(ids, dtype=torch.long))  # [N, H]
+        else:
+            parts = [sess._take_kept(layer, done, end) for sess, done, end in todo]
+            inp = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [N, H]
+        batch = [(sess.caches[layer], end - done) for sess, done, end in todo]
+        out = model.run_layer(layer, inp, batch, memo)  # [N, H]
+        if len(todo) == 1:
+            sess, done, _ = todo[0]
+            sess._store(layer, done, out)
+            continue
+        row = 0
+        for sess, done, end in todo:
+            sess._store(layer, done, out[row : row + end - done])
+            row += end - done
+    return [sess._result(exit_layer) for sess, exit_layer, _ in requests]
+
+
+def forward_exit_hidden(queries: list[Query]) -> list[torch.Tensor]:
+    """``h_exit [end - start, H]`` per query (``ModelSession.exit_hidden``, batched)."""
+    hs = forward_hidden([(s, e, end) for s, e, _, end in queries])
+    rows: list[torch.Tensor] = []
+    for (_, exit_layer, start, end), (h, h_start) in zip(queries, hs, strict=True):
+        if start < h_start:
+            raise RuntimeError(
+                f"positions from {start} at exit {exit_layer} were consumed by a deeper layer "
+                f"(kept from {h_start}); ask for them before running deeper"
+            )
+        rows.append(h[start - h_start : end - h_start])
+    return rows
+
+
+def forward_logits(queries: list[Query]) -> list[torch.Tensor]:
+    """Logits ``[end - start, V]`` per query (``ModelSession.logits`` for many sessions of
+    one model): one batched forward, one head call per distinct exit, and one copy to the
+    CPU when the model runs elsewhere (stages decide on the CPU)."""
+    if not queries:
+        return []
+    rows = forward_exit_hidden(queries)
+    model = queries[0][0].model
+    if len(queries) == 1:
+        out = [model.head(rows[0], queries[0][1])]
+    else:
+        out = [None] * len(queries)
+        for exit_layer in sorted({q[1] for q in queries}):
+            idx = [i for i, q in enumerate(queries) if q[1] == exit_layer]
+            logits = model.head(torch.cat([rows[i] for i in idx]), exit_layer)  # [R, V]
+            row = 0
+            for i in idx:
+                n = rows[i].shape[0]
+                out[i] = logits[row : row + n]
+                row += n
+    if out[0].device.type != "cpu":
+        sizes = [o.shape[0] for o in out]
+        out = list(torch.cat(out).cpu().split(sizes))
+    return out  # type: ignore[return-value]

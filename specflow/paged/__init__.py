@@ -1,15 +1,12 @@
-"""Batched decoding over a paged KV cache (continuous batching, SDPA / FlashAttention).
+"""The paged KV store (the GPU path; also on CPU): blocks, block tables, paged attention.
 
-- ``cache``: ``BlockAllocator`` (fixed-size blocks, free list, reservations) and
-  ``PagedKVCache`` (one K/V pool per model, per-sequence block tables, per-layer lengths).
-- ``attention``: ``sdpa_paged`` / ``flash_paged`` and ``select_backend``.
-- ``batched_lm``: ``BatchedLM`` (NativeLM weights, ragged batched layers writing into the
-  paged cache), ``PagedSession`` (``ModelSession`` bookkeeping over paged caches) and
-  ``batched_logits``.
-- ``batch_engine``: ``BatchedPipeline``, the round loop of a ``SpeculativePipeline`` over up to
-  ``batch_size`` sequences at once.
-- ``batch_runner``: ``BatchRunner``, the batched counterpart of ``specflow.runner.Runner``.
+- ``cache``: ``BlockAllocator`` (fixed-size blocks, free list, promises for admission
+  control) and ``PagedKVCache`` (one K/V pool per model, per-sequence block tables,
+  per-layer lengths; ``PagedLayerKV`` is one (sequence, layer)'s ``LayerKV``).
+- ``attention``: the kernels (``sdpa_paged``, ``flash_paged``), ``select_backend`` and
+  ``PagedAttention``, the model's attention backend over a pool.
 
-The batch-1 path (``NativeLM`` + ``ModelSession`` + ``SpeculativePipeline.generate``) does not
-use any of this.
+Sessions over a pool are ordinary ``specflow.models.session.ModelSession``s (opened by
+``specflow.models.stores.KVStores``); the engine and the decoder layer are the same for
+every KV layout and batch size.
 """

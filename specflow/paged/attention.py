@@ -13,7 +13,9 @@ is negative; SDPA would give NaN for a fully masked row, so the bound is clamped
 (padding rows see key 0 and are dropped).  ``is_causal=True`` in SDPA is upper-left aligned:
 wrong whenever the query block is shorter than the keys.
 
-Both backends expect the new keys/values already written into the pool.
+``PagedAttention`` is the model's attention backend for a ``PagedKVCache`` (see
+``specflow.models.attention``): it scatters the new keys/values into the pool by slot id
+and runs the selected kernel; both kernels expect the new keys/values already written.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from specflow.errors import ConfigError
+from specflow.errors import ConfigError, PromptTooLongError
+
+if TYPE_CHECKING:
+    from specflow.models.base import LayerBatch
+    from specflow.paged.cache import PagedKVCache
 
 log = logging.getLogger(__name__)
 
@@ -197,3 +204,79 @@ def select_backend(
         raise ConfigError(f"runner.attention=flash is unavailable: {why}; use sdpa or auto")
     log.info("attention: flash unavailable (%s); using sdpa", why)
     return "sdpa", sdpa_paged
+
+
+class PagedAttention:
+    """The attention backend of one ``PagedKVCache`` (module doc).
+
+    Per forward, the addressing of a batch (positions, slots, block table, padding) is
+    computed once and shared by every layer through ``memo``.
+    """
+
+    def __init__(
+        self, cache: PagedKVCache, attention: str, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.cache = cache
+        self.device = device
+        self.name, self.kernel = select_backend(attention, device, dtype)
+        if cache.block_size % self.min_block_size:
+            raise ConfigError(
+                f"KV block size {cache.block_size} must be a multiple of {self.min_block_size} "
+                f"for attention={self.name}"
+            )
+
+    @property
+    def min_block_size(self) -> int:
+        return FLASH_BLOCK_MULTIPLE if self.name == "flash" else 1
+
+    def _meta(self, batch: LayerBatch, memo: dict) -> tuple[torch.Tensor, torch.Tensor, AttnBatch]:
+        """``(positions [N], slots [N], AttnBatch)`` of the batch's new positions."""
+        key = ("paged", tuple((kv.seq_id, kv.length, t) for kv, t in batch))  # type: ignore[attr-defined]
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        cache = self.cache
+        positions: list[int] = []
+        slots: list[int] = []
+        for kv, t in batch:
+            s = kv.length
+            if s + t > kv.max_len:  # type: ignore[attr-defined]
+                raise PromptTooLongError(
+                    f"position {s + t} is beyond this sequence's {kv.max_len} positions"  # type: ignore[attr-defined]
+                )
+            cache.reserve(kv.seq_id, s + t)  # type: ignore[attr-defined]
+            positions.extend(range(s, s + t))
+            slots.extend(cache.slots(kv.seq_id, s, s + t))  # type: ignore[attr-defined]
+        table = cache.block_table([kv.seq_id for kv, _ in batch], self.device)  # type: ignore[attr-defined]
+        attn = AttnBatch.build(
+            [t for _, t in batch], [kv.length + t for kv, t in batch], table, self.device
+        )
+        hit = memo[key] = (
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            torch.tensor(slots, dtype=torch.long, device=self.device),
+            attn,
+        )
+        return hit
+
+    def positions(self, batch: LayerBatch, memo: dict) -> torch.Tensor:
+        return self._meta(batch, memo)[0]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: LayerBatch,
+        scale: float,
+        memo: dict,
+    ) -> torch.Tensor:
+        """Scatter ``k, v [N, KH, D]`` into the pool, then ``q [N, NH, D] -> [N, NH, D]``."""
+        _, slots, attn = self._meta(batch, memo)
+        layer = batch[0][0].layer  # type: ignore[attr-defined]
+        kh, d = k.shape[1], k.shape[2]
+        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # [NB, BS, KH, D]
+        k_pool.view(-1, kh, d).index_copy_(0, slots, k)
+        v_pool.view(-1, kh, d).index_copy_(0, slots, v)
+        for kv, t in batch:
+            self.cache.set_length(kv.seq_id, layer, kv.length + t)  # type: ignore[attr-defined]
+        return self.kernel(q, k_pool, v_pool, attn, scale)

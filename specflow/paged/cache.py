@@ -135,7 +135,10 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        attention: str = "auto",
     ) -> None:
+        from specflow.paged.attention import PagedAttention
+
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_layers = num_layers
@@ -145,6 +148,9 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [NL, NB, BS, KH, D]
         self.allocator = BlockAllocator(num_blocks)
         self.seqs: dict[int, SequenceBlocks] = {}
+        # How this pool's keys are read (SDPA over gathered blocks, or flash); its kernel
+        # may need block sizes of a multiple (flash: 256).
+        self.attention = PagedAttention(self, attention, torch.device(device), dtype)
 
     # ---------------------------------------------------------------- sequences
     def blocks_for(self, length: int) -> int:
@@ -234,6 +240,7 @@ class PagedLayerKV:
         self.cache = cache
         self.seq_id = seq_id
         self.layer = layer
+        self.attention = cache.attention
 
     @property
     def length(self) -> int:

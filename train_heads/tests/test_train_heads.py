@@ -79,7 +79,7 @@ def test_batched_generation_matches_native_greedy_and_hidden_states(tiny):
         caches = lm.new_layer_caches(64)
         h = lm.embed(torch.tensor(g.tokens[:-1]))
         for layer in range(lm.info.num_layers):
-            h = lm.run_layer(layer, h, caches[layer])
+            h = lm.run_layer(layer, h, [(caches[layer], h.shape[0])], {})
             if layer + 1 in g.hidden:
                 torch.testing.assert_close(g.hidden[layer + 1], h, rtol=1e-4, atol=1e-4)
 

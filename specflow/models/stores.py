@@ -1,0 +1,150 @@
+"""Where the keys/values of a batch of requests live: one KV store per model.
+
+The engine's scheduler owns a ``KVStores``; every request's ``DecodeState`` opens its model
+sessions through it (``DecodeState.session``), so stages never know the layout:
+
+- ``contiguous``: each (request, model) gets preallocated per-layer buffers of its own
+  (``specflow.models.attention.KVCache``): the fast CPU path, any batch size.
+- ``paged``: each model has one pool of fixed-size blocks shared by the batch
+  (``specflow.paged.cache.PagedKVCache``); a request owns a block table, admission control
+  promises each admitted request its worst-case blocks, and rollback frees whole blocks.
+
+``KVStores`` also places the models: with ``device`` / ``dtype`` set, a model is moved once
+(``LayeredLM.to``) and every session of it runs there; stages keep the model they were built
+with, sessions are keyed by it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specflow.errors import ConfigError
+from specflow.models.base import LayeredLM
+from specflow.models.session import ModelSession
+from specflow.paged.attention import FLASH_BLOCK_MULTIPLE, select_backend
+from specflow.paged.cache import PagedKVCache
+
+LAYOUTS = ("contiguous", "paged")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def as_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
+    """``None`` -> ``default``; a name of ``DTYPES`` -> that dtype."""
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How and where a run keeps its models' keys/values (``runner.kv_layout`` etc.).
+
+    Attributes:
+        kind: ``contiguous`` or ``paged``.
+        device: run the models here (``None``: where they were loaded).
+        dtype: run the models in this dtype (``None``: as loaded).
+        attention: paged attention kernel: ``auto`` | ``sdpa`` | ``flash``.
+        block_size: paged block size (``None``: 16, or 256 with flash).
+    """
+
+    kind: str = "contiguous"
+    device: str | None = None
+    dtype: str | None = None
+    attention: str = "auto"
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYOUTS:
+            raise ConfigError(f"runner.kv_layout={self.kind!r} is unknown; use one of {LAYOUTS}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError(f"runner.block_size must be >= 1, got {self.block_size}")
+
+
+class KVStores:
+    """The KV stores of every model a set of requests runs (module doc).
+
+    Args:
+        layout: contiguous or paged, device, dtype, kernel.
+        max_seqs: paged: how many sequences the pools must hold at once.
+        max_context: paged: the longest sequence (positions) the pools are sized for.
+    """
+
+    def __init__(
+        self, layout: KVLayout | None = None, max_seqs: int = 1, max_context: int = 2048
+    ) -> None:
+        self.layout = layout or KVLayout()
+        self.max_seqs = max_seqs
+        self.max_context = max_context
+        self._placed: dict[int, tuple[LayeredLM, LayeredLM]] = {}  # id(lm) -> (lm, placed)
+        self._pools: dict[int, PagedKVCache] = {}  # id(lm) -> its pool (paged)
+        self._seq_ids = itertools.count()
+
+    # ---------------------------------------------------------------- models
+    def place(self, lm: LayeredLM) -> LayeredLM:
+        """``lm`` on the layout's device/dtype (moved once)."""
+        hit = self._placed.get(id(lm))
+        if hit is not None and hit[0] is lm:
+            return hit[1]
+        placed = lm
+        if self.layout.device is not None or self.layout.dtype is not None:
+            device = torch.device(self.layout.device) if self.layout.device else lm.device
+            dtype = as_dtype(self.layout.dtype, lm.dtype)
+            placed = lm.to(device, dtype)
+        self._placed[id(lm)] = (lm, placed)
+        return placed
+
+    def register(self, models: list[LayeredLM]) -> None:
+        """Place ``models`` and, when paged, build their pools now (admission needs them)."""
+        for lm in models:
+            placed = self.place(lm)
+            if self.layout.kind == "paged" and id(lm) not in self._pools:
+                self._pools[id(lm)] = self._new_pool(placed)
+
+    def _new_pool(self, placed: LayeredLM) -> PagedKVCache:
+        kernel, _ = select_backend(self.layout.attention, placed.device, placed.dtype)
+        multiple = FLASH_BLOCK_MULTIPLE if kernel == "flash" else 1
+        bs = self.layout.block_size or max(16, multiple)
+        if bs % multiple:
+            raise ConfigError(
+                f"runner.block_size={bs} must be a multiple of {multiple} for attention={kernel}"
+            )
+        num_blocks = self.max_seqs * math.ceil(self.max_context / bs)
+        return placed.new_paged_cache(num_blocks, bs, self.layout.attention)
+
+    @property
+    def pools(self) -> list[PagedKVCache]:
+        return list(self._pools.values())
+
+    # ---------------------------------------------------------------- sequences
+    def new_sequence(self) -> int:
+        """A fresh sequence id (one per request: its paged block tables)."""
+        return next(self._seq_ids)
+
+    def can_admit(self, max_len: int) -> bool:
+        """Whether every pool can promise a sequence of ``max_len`` positions now."""
+        return all(pool.can_admit(max_len) for pool in self._pools.values())
+
+    def open(self, lm: LayeredLM, max_len: int, seq_id: int) -> ModelSession:
+        """A session of ``lm`` for sequence ``seq_id`` (``release()`` frees its storage)."""
+        placed = self.place(lm)
+        if self.layout.kind == "contiguous":
+            return ModelSession(placed, max_len)
+        pool = self._pools.get(id(lm))
+        if pool is None:
+            self.register([lm])
+            pool = self._pools[id(lm)]
+        caches = pool.add_sequence(seq_id, max_len)
+        return ModelSession(placed, max_len, caches, lambda: pool.remove_sequence(seq_id))
+
+    def check_no_leaks(self) -> None:
+        """Raise unless every block of every pool is free."""
+        for pool in self._pools.values():
+            pool.allocator.check_no_leaks()

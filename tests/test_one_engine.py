@@ -1,0 +1,289 @@
+"""One engine at every batch size: each pipeline x batch {1, 3} x KV {contiguous, paged}.
+
+Every lossless pipeline gives token for token HF ``generate``'s greedy output (the outside
+oracle) whatever the batch size and KV layout; sampling follows the target's law at batch
+3; the adaptive draft length decides per request at batch 3.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from scipy.stats import chisquare
+
+from specflow.engine import SpeculativePipeline
+from specflow.models.session import ModelSession
+from specflow.models.stores import KVLayout
+from specflow.sampling import warp
+from specflow.scheduler import Scheduler, SeqRequest
+from specflow.state import DecodeState, Draft, SamplingParams
+from stages.draft_length import AdaptiveDraftLength
+from stages.early_exit_verifier import EarlyExitVerifier
+from stages.exact_acceptor import ExactAcceptor
+from stages.fixed_selector import FixedSelector
+from stages.fly_acceptor import FlyAcceptor
+from stages.full_verifier import FullVerifier
+from stages.layer_skip_drafter import LayerSkipDrafter
+from stages.model_drafter import ModelDrafter
+from stages.pld_drafter import PLDDrafter
+from stages.pool_drafter import PoolDrafter
+from stages.rejection_acceptor import RejectionAcceptor
+from stages.round_robin_selector import RoundRobinSelector
+from stages.single_selector import SingleSelector
+from stages.ucb_selector import DiscountedUCBSelector, UCBSelector
+from tests.conftest import hf_greedy, make_pair
+
+PROMPTS = [
+    [1, 5, 9, 17, 33, 5, 9],
+    [3, 4, 5, 6, 7, 8, 3, 4, 5, 6],
+    [2],
+    [7, 7, 7, 7, 7, 7],
+    [11, 12, 13, 14, 11, 12, 13, 14, 11, 12],
+]
+MAX_NEW = 24
+SELECTORS = {
+    "ucb": UCBSelector,
+    "discounted_ucb": DiscountedUCBSelector,
+    "fixed": lambda: FixedSelector(1),
+    "round_robin": RoundRobinSelector,
+    "single": SingleSelector,
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A 6-layer tiny target (early exits 2 and 4 for drafting and pre-verification)."""
+    return make_pair("llama", seed=3, num_layers=6)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return make_pair("llama", seed=1, num_layers=2)
+
+
+def build(method: str, lm, draft_lm) -> SpeculativePipeline:
+    """The pipeline a method's experiment config composes, on tiny models."""
+
+    def pipe(drafter=None, acceptor=None, **kw) -> SpeculativePipeline:
+        return SpeculativePipeline(
+            FullVerifier(lm), acceptor or ExactAcceptor(), drafter=drafter, name=method, **kw
+        )
+
+    def pld_model() -> SpeculativePipeline:
+        return SpeculativePipeline(
+            FullVerifier(draft_lm), ExactAcceptor(), drafter=PLDDrafter(k=3), level="draft", k=4
+        )
+
+    if method == "ar":
+        return pipe()
+    if method == "pld":
+        return pipe(PLDDrafter(k=5))
+    if method == "sps":
+        return pipe(ModelDrafter(draft_lm, k=3))
+    if method == "sps_pld":
+        return pipe(pld_model())
+    if method == "self_spec":
+        return pipe(ModelDrafter(lm, k=3, exit_layer=2))
+    if method == "hispec":
+        return pipe(
+            ModelDrafter(lm, k=2, exit_layer=2),
+            intermediate_verifier=EarlyExitVerifier(lm, exit_layer=4, accumulate=3),
+        )
+    if method == "layer_skip":
+        return pipe(LayerSkipDrafter(lm, [1, 3], k=3))
+    if method.startswith("metasd_"):
+        arms = {
+            "pld": PLDDrafter(k=4),
+            "draft_model": ModelDrafter(draft_lm, k=3),
+            "exit_early": ModelDrafter(lm, k=3, exit_layer=2),
+            "pld_model": pld_model(),
+        }
+        selector = SELECTORS[method.removeprefix("metasd_")]()
+        return pipe(PoolDrafter(arms, selector))
+    if method == "fly_theta1":  # the normalized gate shut: FLy is exact acceptance
+        return pipe(ModelDrafter(draft_lm, k=4), FlyAcceptor(theta=1.0, window=2))
+    raise ValueError(method)
+
+
+METHODS = [
+    "ar",
+    "pld",
+    "sps",
+    "sps_pld",
+    "self_spec",
+    "hispec",
+    "layer_skip",
+    *(f"metasd_{name}" for name in SELECTORS),
+    "fly_theta1",
+]
+
+
+def decode(pipe, batch_size: int, kind: str, prompts, max_new: int, sampling=None, seeds=None):
+    """Every prompt through the scheduler; generations in prompt order."""
+    sched = Scheduler(pipe, batch_size, KVLayout(kind=kind, block_size=4), max_context=64)
+    seeds = seeds or [0] * len(prompts)
+    pairs = enumerate(zip(prompts, seeds, strict=True))
+    reqs = [SeqRequest(p, max_new, seed=s, tag=i) for i, (p, s) in pairs]
+    results = sched.generate(reqs, sampling)
+    sched.kv.check_no_leaks()
+    by_tag = {r.request.tag: r.generation for r in results}
+    return [by_tag[i] for i in range(len(prompts))], sched
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("method", METHODS)
+def test_every_pipeline_equals_hf_greedy(method, batch_size, kind, target, drafter):
+    hf, lm = target
+    pipe = build(method, lm, drafter[1])
+    gens, sched = decode(pipe, batch_size, kind, PROMPTS, MAX_NEW)
+    assert [g.tokens for g in gens] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    assert max(sched.stats.occupancy) == batch_size
+    if method != "ar":
+        assert sum(g.stats.drafted for g in gens) > 0  # speculation happened
+    if method in ("metasd_ucb", "metasd_discounted_ucb", "metasd_round_robin"):
+        assert len({a for g in gens for a in g.stats.arms}) > 1  # several arms drafted
+
+
+def test_ragged_acceptance_within_a_batch(target, drafter):
+    """Sequences of one batch keep different prefixes in the same round."""
+    hf, lm = target
+    gens, sched = decode(build("self_spec", lm, drafter[1]), 3, "paged", PROMPTS[:3], MAX_NEW)
+    assert sched.stats.occupancy[0] == 3  # the three ran together from round 1
+    # while all three were active (zip stops at the shortest)
+    rounds = zip(*(g.stats.accepted_per_round for g in gens), strict=False)
+    assert any(len(set(r)) > 1 for r in rounds)
+
+
+def test_min_confidence_stops_drafts_at_every_batch_size(target, drafter):
+    hf, lm = target
+    pipe = SpeculativePipeline(
+        FullVerifier(lm), ExactAcceptor(), drafter=ModelDrafter(drafter[1], k=6, min_confidence=0.9)
+    )
+    want = [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    for batch_size, kind in [(1, "contiguous"), (3, "paged")]:
+        gens, _ = decode(pipe, batch_size, kind, PROMPTS, MAX_NEW)
+        assert [g.tokens for g in gens] == want
+        drafted = [d for g in gens for d in g.stats.drafted_per_round]
+        asked = [k for g in gens for k in g.stats.chosen_k]
+        assert sum(drafted) < sum(asked)  # some drafts stopped early
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_sampling_follows_the_target_law_at_batch_three(target, drafter):
+    """Two sampled tokens, batch 3 (paged), rejection sampling with a draft model: the
+    joint law of the output is the target's (chi-square), and each request draws exactly
+    what it draws at batch 1 for its seed."""
+    _, lm = target
+    sampling = SamplingParams(temperature=1.0, top_k=3)
+    pipe = SpeculativePipeline(
+        FullVerifier(lm), RejectionAcceptor(), drafter=ModelDrafter(drafter[1], k=2)
+    )
+    prompt = [1, 5, 9]
+    sess = ModelSession(lm, 16)
+    sess.set_tokens(prompt)
+    p1 = warp(sess.logits(6, 2, 3), sampling)[0]
+    law = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        sess.set_tokens(prompt + [t1])
+        p2 = warp(sess.logits(6, 3, 4), sampling)[0]
+        for t2 in p2.nonzero().flatten().tolist():
+            law[(t1, t2)] = float(p1[t1] * p2[t2])
+    trials = 900
+    sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=16)
+    reqs = [SeqRequest(prompt, 2, seed=s, stop_token_ids=()) for s in range(trials)]
+    results = sched.generate(reqs, sampling)
+    counts = dict.fromkeys(law, 0)
+    for r in results:
+        counts[tuple(r.generation.tokens)] += 1
+    cells = list(law)
+    pvalue = chisquare([counts[c] for c in cells], [law[c] * trials for c in cells]).pvalue
+    assert pvalue > 1e-3, (pvalue, counts)
+    one = pipe.generate(prompt, 2, sampling, seed=7, stop_token_ids=()).tokens
+    assert next(r for r in results if r.request.seed == 7).generation.tokens == one
+
+
+# ---------------------------------------------------------------- draft-length policy
+
+
+class WrongDrafter:
+    """Always proposes a token the target will not pick (its greedy choice + 1)."""
+
+    name = "wrong"
+    k = 4
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], vocab: int, ticks: list[int]):
+        self.truth, self.vocab, self.ticks = truth, vocab, ticks
+
+    def begin(self, states: list[DecodeState]) -> None:
+        pass
+
+    def models(self):
+        return []
+
+    def uses(self):
+        return []
+
+    def observe(self, states, drafts, target_logits, verdicts) -> None:
+        pass
+
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        self.ticks[0] += 5  # drafting costs 5 clock ticks per batched call
+        out = []
+        for st, k in zip(states, ks, strict=True):
+            truth = self.truth[tuple(st.tokens[: st.prompt_len])]
+            done = st.num_generated
+            out.append(Draft([(t + 1) % self.vocab for t in truth[done : done + k]]))
+        return out
+
+
+def test_adaptive_policy_per_sequence_at_batch_three(target):
+    """The adaptive policy records k per round per sequence and converges to k = 0 (plain
+    rounds, with rare one-token re-probes) for a drafter that is always wrong."""
+    hf, lm = target
+    max_new = 60
+    prompts = PROMPTS[:3]
+    truth = {tuple(p): hf_greedy(hf, p, max_new) for p in prompts}
+    ticks = [0]
+
+    def clock() -> float:  # one tick per call, plus what the drafter adds
+        ticks[0] += 1
+        return float(ticks[0])
+
+    pipe = SpeculativePipeline(
+        FullVerifier(lm),
+        ExactAcceptor(),
+        drafter=WrongDrafter(truth, lm.info.vocab_size, ticks),
+        draft_length=AdaptiveDraftLength(prior_strength=0.0),
+        clock=clock,
+    )
+    gens, sched = decode(pipe, 3, "contiguous", prompts, max_new)
+    assert [g.tokens for g in gens] == [truth[tuple(p)] for p in prompts]
+    assert sched.stats.occupancy[0] == 3
+    for g in gens:
+        ks = g.stats.chosen_k
+        assert len(ks) == g.stats.rounds == len(g.stats.drafted_per_round)
+        assert ks[0] == 4 and g.stats.accepted == 0
+        tail = ks[len(ks) // 2 :]
+        probes = sum(1 for k in tail if k > 0)
+        assert set(tail) <= {0, 1} and probes <= len(tail) // 16 + 1, ks
+
+
+def test_batch_one_and_three_give_the_same_rounds(target, drafter):
+    """A request's rounds do not depend on its batch mates (greedy, fixed k)."""
+    _, lm = target
+    pipe = build("sps", lm, drafter[1])
+    one, _ = decode(pipe, 1, "contiguous", PROMPTS, MAX_NEW)
+    three, _ = decode(pipe, 3, "paged", PROMPTS, MAX_NEW)
+    for a, b in zip(one, three, strict=True):
+        assert a.stats.accepted_per_round == b.stats.accepted_per_round
+
+
+@pytest.mark.parametrize("module", ["batch_engine", "batched_lm", "batch_runner"])
+def test_no_mirrored_engine_left(module):
+    """One round function and one decoder layer: the batched copies are gone."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"specflow.paged.{module}")
