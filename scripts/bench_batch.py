@@ -30,8 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repo ro
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.stores import KVLayout  # noqa: E402
-from specflow.runner import RunSettings, build_prompt  # noqa: E402
+from specflow.runner import build_prompt  # noqa: E402
 from specflow.scheduler import Scheduler, SeqRequest  # noqa: E402
+from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
 from stages.exact_acceptor import ExactAcceptor  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402

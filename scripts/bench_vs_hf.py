@@ -35,7 +35,8 @@ import torch  # noqa: E402
 from specflow.acceptance import StandardAcceptor  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
-from specflow.runner import RunSettings, build_prompt  # noqa: E402
+from specflow.runner import build_prompt  # noqa: E402
+from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
 from stages.draft_length import AdaptiveDraftLength  # noqa: E402
 from stages.exact_acceptor import ExactAcceptor  # noqa: E402

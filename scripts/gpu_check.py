@@ -1,100 +1,206 @@
-"""Short CUDA benchmark of batched decoding: SDPA vs flash, plain decoding vs PLD.
+"""The GPU check: ours vs HF ``generate`` on the same prompts, one table (issue: the GPU runner).
 
-Usage: python scripts/gpu_check.py [--tokens 64] [--batches 1,8,32] [--budget 200]
+    python scripts/gpu_check.py [--device cuda] [--dtype bfloat16] [--requests 24]
+        [--tokens 128] [--hf-requests 8] [--out DIR]
 
-Models: a random tiny Llama (8 layers, hidden 512, vocab 32000: no download) and, when it
-loads offline, smollm2-135m.  Prints tokens/s across the batch (new tokens / wall seconds)
-per (model, attention, method, batch size) and the speedup over batch 1.  Stops adding
-rows once ``--budget`` seconds are spent.
+SmolLM2-135M-Instruct on the first turns of ``--requests`` Spec-Bench dev questions (chat
+template), greedy, EOS honoured, at most ``--tokens`` new tokens each:
+
+- ours: plain decoding at batch 1 / 8 / 32, prompt lookup (k = 8) and prompt lookup with the
+  adaptive draft length at batch 1 / 8, through the scheduler with paged KV and (on CUDA)
+  CUDA graphs.  Each configuration decodes the whole workload twice: the first pass warms
+  up (and captures every graph shape it meets), the second is timed.
+- HF ``generate`` on a separately loaded copy: plain at batch 1 and 8 (left padding), prompt
+  lookup (``prompt_lookup_num_tokens=10``) at batch 1, on the first ``--hf-requests``
+  requests (HF at batch 1 is slow; tokens/s is comparable across request counts).
+- fidelity: each of ours against our own plain decoding at batch 1 in the same dtype; HF
+  against ours likewise; and an fp32 identity check (ours plain at batch 8 vs HF plain,
+  fp32, 4 requests x 32 tokens).
+
+Columns: tokens/s (new tokens / wall seconds of the pass), ratio to our plain batch 1,
+ratio to HF plain at the same batch size, fidelity, the kernels that ran, CUDA graphs
+(shapes captured, capture seconds).  ``--out`` gets ``gpu_check.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import random
+import platform
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repo root
-
 from specflow.engine import SpeculativePipeline  # noqa: E402
-from specflow.models.native import NativeLM  # noqa: E402
+from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.stores import KVLayout  # noqa: E402
-from specflow.models.tiny import tiny_hf_model, tiny_model_info  # noqa: E402
-from specflow.paged.attention import flash_available  # noqa: E402
+from specflow.runner import build_prompt  # noqa: E402
 from specflow.scheduler import Scheduler, SeqRequest  # noqa: E402
+from specflow.settings import RunSettings  # noqa: E402
+from specflow.workload import SpecBench  # noqa: E402
+from stages.draft_length import AdaptiveDraftLength  # noqa: E402
 from stages.exact_acceptor import ExactAcceptor  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
 
-
-def models() -> list[tuple[str, NativeLM]]:
-    hf = tiny_hf_model(
-        "llama", num_layers=8, hidden_size=512, vocab_size=32000, max_position_embeddings=2048
-    )
-    out = [("tiny-512x8", NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-512x8")))]
-    try:
-        from specflow.models.loading import load_model
-
-        out.append(("smollm2-135m", load_model("smollm2-135m", backend="native").lm))
-    except Exception as exc:  # noqa: BLE001 - optional
-        print(f"smollm2-135m not available offline ({type(exc).__name__}); tiny model only")
-    return out
+MODEL = "smollm2-135m"
 
 
-def prompts(n: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(0)
-    out = []
-    for _ in range(n):
-        base = [rng.randrange(3, vocab - 1) for _ in range(24)]
-        out.append(base + base[:12] + [rng.randrange(3, vocab - 1) for _ in range(28)])
-    return out
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
-def run(lm, method: str, attention: str, batch: int, tokens: int) -> float:
-    drafter = PLDDrafter(k=6) if method == "pld" else None
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
-    layout = KVLayout(kind="paged", device="cuda", dtype="bfloat16", attention=attention)
-    sched = Scheduler(pipe, batch, layout, max_context=512)
-    reqs = [SeqRequest(p, tokens, stop_token_ids=()) for p in prompts(max(batch, 4), 32000)]
-    sched.generate(reqs[:batch])  # warm-up
-    torch.cuda.synchronize()
-    sched.generate(reqs)
-    torch.cuda.synchronize()
+def ours(lm, method: str, batch: int, prompts, args, eos, layout: KVLayout) -> dict:
+    drafter = None if method == "ar" else PLDDrafter(k=8)
+    policy = AdaptiveDraftLength() if method == "pld_adaptive" else None
+    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter, draft_length=policy)
+    max_context = max(map(len, prompts)) + args.tokens + 16
+    sched = Scheduler(pipe, batch, layout, max_context=max_context)
+    reqs = [SeqRequest(p, args.tokens, stop_token_ids=eos, tag=i) for i, p in enumerate(prompts)]
+    sched.generate(reqs)  # warm-up pass: allocator, kernels, every graph shape it meets
+    sync(args.device)
+    t0 = time.perf_counter()
+    results = sched.generate(reqs)
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    tokens = {r.request.tag: r.generation.tokens for r in results}
     sched.kv.check_no_leaks()
-    return sched.stats.tokens_per_s
+    return {
+        "tokens": [tokens[i] for i in range(len(prompts))],
+        "new_tokens": sum(map(len, tokens.values())),
+        "wall_s": wall,
+        "report": sched.kv.report(),
+    }
+
+
+def hf_generate(model, prompts, batch: int, max_new: int, eos, device: str, **kw) -> dict:
+    """HF ``generate`` over ``prompts`` in batches (left padding), greedy."""
+    pad = eos[0]
+    outs: list[list[int]] = []
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=list(eos),
+                pad_token_id=pad,
+                **kw,
+            )
+        for row in out[:, width:].tolist():
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            outs.append(row[:cut])
+    sync(device)
+    wall = time.perf_counter() - t0
+    return {"tokens": outs, "new_tokens": sum(map(len, outs)), "wall_s": wall}
+
+
+def hf_model(dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+
+    from specflow.models.prepare import prepared_dir
+
+    return AutoModelForCausalLM.from_pretrained(prepared_dir(MODEL), dtype=dtype).to(device).eval()
+
+
+def same(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=False)) / max(1, min(len(a), len(b)))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--budget", type=float, default=200.0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hf-requests", type=int, default=8)
+    ap.add_argument("--batches", default="1,8,32", help="batch sizes of our plain decoding")
+    ap.add_argument("--no-graphs", action="store_true", help="eager steps on CUDA")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device")
-    batches = [int(b) for b in args.batches.split(",")]
-    backends = ["sdpa"] + (["flash"] if flash_available() else [])
     start = time.perf_counter()
-    print(f"{'model':<14}{'attn':<7}{'method':<7}{'batch':>6}{'tok/s':>10}{'vs b1':>8}")
-    for name, lm in models():
-        for attention in backends:
-            for method in ("ar", "pld"):
-                base = None
-                for b in batches:
-                    if time.perf_counter() - start > args.budget:
-                        print("time budget spent; stopping")
-                        return
-                    tps = run(lm, method, attention, b, args.tokens)
-                    base = base or tps
-                    print(
-                        f"{name:<14}{attention:<7}{method:<7}{b:>6}{tps:>10.1f}{tps / base:>8.2f}"
-                    )
+    dtype = getattr(torch, args.dtype)
+    loaded = load_model(MODEL, backend="native")
+    lm, tok = loaded.lm, loaded.tokenizer
+    eos = tuple(lm.info.eos_token_ids)
+    reqs = SpecBench(per_category=-(-args.requests // 6)).requests()[: args.requests]
+    prompts = [
+        build_prompt(tok, [{"role": "user", "content": r.turns[0]}], RunSettings()) for r in reqs
+    ]
+    cuda = args.device.startswith("cuda")
+    decode = "graphs" if cuda and not args.no_graphs else "eager"
+    layout = KVLayout(kind="paged", device=args.device, dtype=args.dtype, decode=decode)
+    batches = [int(b) for b in args.batches.split(",")]
+    runs: dict[tuple[str, int], dict] = {}
+    plan = [("ar", b) for b in batches] + [
+        (m, b) for m in ("pld", "pld_adaptive") for b in batches[:2]
+    ]
+    for method, b in plan:
+        runs[("ours_" + method, b)] = ours(lm, method, b, prompts, args, eos, layout)
+        print(f"  ours_{method} b{b}: {time.perf_counter() - start:.0f}s", flush=True)
+    hf = hf_model(dtype, args.device)
+    few = prompts[: args.hf_requests]
+    hf_generate(hf, few[:1], 1, 8, eos, args.device)  # warm-up
+    runs[("hf_ar", 1)] = hf_generate(hf, few, 1, args.tokens, eos, args.device)
+    runs[("hf_ar", 8)] = hf_generate(hf, few, 8, args.tokens, eos, args.device)
+    runs[("hf_pld", 1)] = hf_generate(
+        hf, few, 1, args.tokens, eos, args.device, prompt_lookup_num_tokens=10
+    )
+    print(f"  hf: {time.perf_counter() - start:.0f}s", flush=True)
+
+    # fp32 identity: ours plain (batch 8) vs HF plain, 4 requests x 32 tokens.
+    fp32 = KVLayout(kind="paged", device=args.device, dtype="float32", decode=decode)
+    small = argparse.Namespace(**{**vars(args), "tokens": 32})
+    ours32 = ours(lm, "ar", 8, prompts[:4], small, eos, fp32)["tokens"]
+    hf32 = hf_generate(hf_model(torch.float32, args.device), prompts[:4], 1, 32, eos, args.device)
+    fp32_same = same(ours32, hf32["tokens"])
+
+    ref = runs[("ours_ar", 1)]["tokens"]
+    rate = {key: r["new_tokens"] / r["wall_s"] for key, r in runs.items()}
+    gpu = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
+    print()
+    print(
+        f"{gpu}; torch {torch.__version__}; {MODEL} {args.dtype}; {len(prompts)} Spec-Bench dev "
+        f"requests (HF: first {len(few)}), <= {args.tokens} new tokens, greedy; decode={decode}"
+    )
+    head = f"{'config':<20}{'batch':>6}{'tok/s':>10}{'vs ours b1':>12}{'vs HF':>8}{'same':>7}"
+    print(head + "  kernels / graphs")
+    for (name, b), r in runs.items():
+        hf_key = ("hf_ar", b)
+        vs_hf = rate[(name, b)] / rate[hf_key] if hf_key in rate else float("nan")
+        fid = same(r["tokens"], ref)
+        rep = r.get("report", {})
+        graphs = f"{rep.get('graphs_captured', 0)} graphs {rep.get('capture_s', 0.0):.1f}s"
+        kernels = ",".join(rep.get("kernels", ["hf"]))
+        tps = rate[(name, b)]
+        print(
+            f"{name:<20}{b:>6}{tps:>10.1f}{tps / rate[('ours_ar', 1)]:>12.2f}"
+            f"{vs_hf:>8.2f}{fid:>7.2f}  {kernels} / {graphs}"
+        )
+    print(f"fp32 identity, ours plain b8 vs HF generate (4 x 32 tokens): {fp32_same:.2f}")
+    print(f"total {time.perf_counter() - start:.0f}s")
+    if args.out:
+        out = {
+            f"{name}@{b}": {k: v for k, v in r.items() if k != "tokens"}
+            | {"tok_s": rate[(name, b)]}
+            for (name, b), r in runs.items()
+        }
+        out["fp32_identity"] = fp32_same
+        Path(args.out, "gpu_check.json").write_text(json.dumps(out, indent=2, default=str))
 
 
 if __name__ == "__main__":

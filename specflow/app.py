@@ -13,7 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from specflow.errors import SpecflowError
 from specflow.graph import build_pipeline, instantiate_checked
 from specflow.results import RunFolder, results_fingerprint
-from specflow.runner import Runner, RunSettings
+from specflow.runner import Runner
+from specflow.settings import RunSettings
 from specflow.state import SamplingParams
 
 log = logging.getLogger("specflow")

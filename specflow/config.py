@@ -3,7 +3,7 @@
 ``conf/config.yaml`` starts from this schema (registered as ``specflow_schema``), so a
 misspelled key or a wrong type in a fixed-shape group (``model``, ``runner``,
 ``sampling``) fails at composition, naming the key.  The ``runner`` group's schema is
-``specflow.runner.RunSettings`` itself (declared once; ``conf/runner/default.yaml`` adds
+``specflow.settings.RunSettings`` itself (declared once; ``conf/runner/default.yaml`` adds
 nothing), and its values are checked when the run starts.  Stage groups (``drafter``,
 ``intermediate_verifier``, ``target_verifier``, ``acceptor``, ``selector``, ``workload``) are
 ``_target_`` nodes checked against the target's signature by ``specflow.graph``.
@@ -16,7 +16,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from specflow.runner import RunSettings
+from specflow.settings import RunSettings
 
 
 @dataclass

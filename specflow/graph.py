@@ -199,8 +199,38 @@ def instantiate_checked(where: str, node: Any, **kwargs: Any) -> Any:
         raise
 
 
+def check_selector_used(cfg: Any) -> None:
+    """A ``selector`` other than ``single`` only means something to a drafter that takes one
+    (a pool); anywhere else it would be recorded in the results but never built."""
+    selector = _plain(cfg.get("selector"))
+    if not isinstance(selector, Mapping) or not selector.get("_target_"):
+        return
+    if selector["_target_"].rsplit(".", 1)[-1] == "SingleSelector":
+        return
+    drafter = _plain(cfg.get("drafter"))
+    uses_it = isinstance(drafter, Mapping) and _mentions(drafter, selector)
+    if not uses_it:
+        name = selector["_target_"].rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"selector={name} is set but drafter does not take a selector (only drafter=pool "
+            f"does); drop the selector override or use drafter=pool"
+        )
+
+
+def _mentions(node: Any, wanted: Mapping) -> bool:
+    """Whether ``wanted`` appears as a value anywhere inside ``node``."""
+    if node == wanted:
+        return True
+    if isinstance(node, Mapping):
+        return any(_mentions(v, wanted) for v in node.values())
+    if isinstance(node, list):
+        return any(_mentions(v, wanted) for v in node)
+    return False
+
+
 def build_pipeline(cfg: Any) -> SpeculativePipeline:
     """The pipeline a composed run config describes (``method``, stages, ``k``)."""
+    check_selector_used(cfg)
     drafter = instantiate_checked("drafter", cfg.get("drafter"))
     intermediate = instantiate_checked("intermediate_verifier", cfg.get("intermediate_verifier"))
     target = instantiate_checked("target_verifier", cfg.target_verifier)

@@ -358,12 +358,15 @@ def format_table(summary: dict[str, Any]) -> str:
         "acceptance_rate",
         "fidelity",
     )
-    head = f"{'category':<16}{'n':>4}" + "".join(f"{c.replace('_per_s', '/s'):>16}" for c in cols)
+    labels = [c.replace("_per_s", "/s") for c in cols]
+    w = max(len(label) for label in labels) + 2  # every header cell keeps 2 spaces before it
+    head = f"{'category':<16}{'n':>4}" + "".join(f"{label:>{w}}" for label in labels)
     lines = [head, "-" * len(head)]
 
     def row(name: str, agg: dict[str, Any]) -> str:
         cells = "".join(
-            f"{agg.get(c):>16.3f}" if isinstance(agg.get(c), float) else f"{'-':>16}" for c in cols
+            f"{agg.get(c):>{w}.3f}" if isinstance(agg.get(c), float) else f"{'-':>{w}}"
+            for c in cols
         )
         return f"{name:<16}{agg.get('num_requests', 0):>4}" + cells
 

@@ -17,30 +17,29 @@ as soon as the request is done.  Warm-up generations run first and are not timed
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from specflow.acceptance import StandardAcceptor
+from specflow.baselines import BaselineCache, machine_description
 from specflow.engine import Generation, SpeculativePipeline
-from specflow.errors import ConfigError
-from specflow.models.stores import LAYOUTS, KVLayout, as_dtype
-from specflow.paged.attention import BACKENDS
+from specflow.errors import SpecflowError
+from specflow.records import generation_metrics, percentile, task_scores
 from specflow.results import RunFolder, summarize
 from specflow.scheduler import BatchResult, Scheduler, SeqRequest
+from specflow.settings import RunSettings
 from specflow.state import RoundStats, SamplingParams, StageTimes
 from specflow.workload import Request
 
 log = logging.getLogger(__name__)
+
+
+DRIFT_WARN = 0.10  # a cached baseline that re-times more than 10 % off is reported
 
 
 class Tokenizer(Protocol):
@@ -73,98 +72,6 @@ class RunCallback(Protocol):
     def on_run_end(self, summary: dict[str, Any], folder: Path) -> None: ...
 
 
-@dataclass
-class RunSettings:
-    """How requests are decoded and measured: the config group ``runner`` (its schema, and
-    the one place these settings are declared).
-
-    Attributes:
-        max_new_tokens: generation budget per turn.
-        seed: each request's generator seed.
-        warmup: untimed short generations first.
-        baseline: also run plain decoding of the target (speedup, fidelity).
-        baseline_cache: reuse plain-decoding results across runs on this machine (batch 1).
-        use_chat_template, system_prompt: how prompts are built.
-        threads: torch threads (``None``: torch's choice).
-        cache_dir: default ``$SPECFLOW_CACHE`` or ``~/.cache/specflow``.
-        batch_size: requests decoded at once (continuous batching).
-        device: ``cpu`` | ``cuda``: where the models run.
-        dtype: run the models in ``float32`` | ``bfloat16`` | ``float16`` (``None``: as
-            loaded, ``model.dtype``).
-        kv_layout: ``auto`` (contiguous on CPU, paged on CUDA) | ``contiguous`` | ``paged``.
-        attention: paged attention kernel: ``auto`` | ``sdpa`` | ``flash``.
-        block_size: paged KV block size (``None``: 16, or 256 with flash).
-    """
-
-    max_new_tokens: int = 128
-    seed: int = 0
-    warmup: bool = True
-    baseline: bool = True
-    baseline_cache: bool = True
-    use_chat_template: bool = True
-    system_prompt: str | None = None
-    threads: int | None = None
-    cache_dir: str | None = None
-    batch_size: int = 1
-    device: str = "cpu"
-    dtype: str | None = None
-    kv_layout: str = "auto"
-    attention: str = "auto"
-    block_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"runner.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.batch_size < 1:
-            raise ConfigError(f"runner.batch_size must be >= 1, got {self.batch_size}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"runner.threads must be >= 1 or null, got {self.threads}")
-        if self.device not in DEVICES:
-            raise ConfigError(f"runner.device={self.device!r} is unknown; use one of {DEVICES}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                "runner.device=cuda but torch sees no CUDA GPU (torch "
-                f"{torch.__version__}); use runner.device=cpu, or install a CUDA build of torch"
-            )
-        if self.kv_layout not in ("auto", *LAYOUTS):
-            raise ConfigError(
-                f"runner.kv_layout={self.kv_layout!r} is unknown; use auto, contiguous or paged"
-            )
-        if self.attention not in BACKENDS:
-            raise ConfigError(
-                f"runner.attention={self.attention!r} is unknown; use one of {BACKENDS}"
-            )
-        as_dtype(self.dtype, torch.float32)  # a clear error for an unknown name
-
-    def layout(self) -> KVLayout:
-        """Where the keys/values live: contiguous on CPU, paged on CUDA unless set."""
-        kind = self.kv_layout
-        if kind == "auto":
-            kind = "paged" if self.device == "cuda" else "contiguous"
-        return KVLayout(
-            kind=kind,
-            device=self.device,
-            dtype=self.dtype,
-            attention=self.attention,
-            block_size=self.block_size,
-        )
-
-
-DEVICES = ("cpu", "cuda")
-
-
-def machine_description() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    return {
-        "host": platform.node(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def build_prompt(
     tokenizer: Tokenizer, messages: list[dict[str, str]], settings: RunSettings
 ) -> list[int]:
@@ -179,119 +86,6 @@ def build_prompt(
         return list(ids)
     text = "\n\n".join(m["content"] for m in messages)
     return list(tokenizer.encode(text))
-
-
-class BaselineCache:
-    """Plain-decoding results on disk, keyed by everything that can change them."""
-
-    def __init__(self, directory: Path | None) -> None:
-        self.directory = directory
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-
-    def key(
-        self,
-        pipeline: SpeculativePipeline,
-        prompt: list[int],
-        max_new: int,
-        sampling: SamplingParams,
-        seed: int,
-    ) -> str:
-        lm = pipeline.target_verifier.uses()[0].lm
-        blob = json.dumps(
-            {
-                "model": repr(lm.info),
-                "backend": type(lm).__name__,
-                "prompt": prompt,
-                "max_new": max_new,
-                "sampling": repr(sampling),
-                "seed": seed,
-                "machine": machine_description(),
-            },
-            sort_keys=True,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        if self.directory is None:
-            return None
-        path = self.directory / f"{key}.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-    def put(self, key: str, value: dict[str, Any]) -> None:
-        if self.directory is None:
-            return
-        path = self.directory / f"{key}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(value))
-        tmp.replace(path)
-
-
-def _score(request: Request, text: str) -> dict[str, float]:
-    try:
-        from specflow.tasks.scoring import score_request
-    except ImportError:  # pragma: no cover - tasks are optional extras
-        return {}
-    return score_request(request.category, text, request.reference, request.extra.get("problem"))
-
-
-def _generation_metrics(gens: list[Generation]) -> dict[str, Any]:
-    rounds = sum(g.stats.rounds for g in gens)
-    accepted = sum(g.stats.accepted for g in gens)
-    drafted = sum(g.stats.drafted for g in gens)
-    total_s = sum(g.total_s for g in gens)
-    new_tokens = sum(len(g.tokens) for g in gens)
-    times: dict[str, float] = {}
-    for g in gens:
-        for k, v in g.times.as_dict(g.total_s).items():
-            times[k] = times.get(k, 0.0) + v
-        for level, nested in g.nested_times.items():
-            for k, v in vars(nested).items():
-                key = f"nested/{level}/{k}"
-                times[key] = times.get(key, 0.0) + v
-    levels: dict[str, list[int]] = {}
-    for g in gens:
-        for level, d in g.stats.level_drafted.items():
-            acc = levels.setdefault(level, [0, 0])
-            acc[0] += d
-            acc[1] += g.stats.level_accepted[level]
-        for level, nested in g.nested_stats.items():
-            acc = levels.setdefault(level, [0, 0])
-            acc[0] += nested.drafted
-            acc[1] += nested.accepted
-    return {
-        "new_tokens": new_tokens,
-        "total_s": total_s,
-        "tokens_per_s": new_tokens / total_s if total_s else 0.0,
-        "rounds": rounds,
-        "target_calls": sum(g.stats.target_calls for g in gens),
-        "drafted": drafted,
-        "accepted": accepted,
-        "tau": 1.0 + accepted / rounds if rounds else 0.0,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "levels": levels,
-        "time_per_stage": times,
-        "k_per_round": [k for g in gens for k in g.stats.chosen_k],
-        "rounds_skipped": sum(1 for g in gens for k in g.stats.chosen_k if k == 0),
-        "drafted_per_round": [k for g in gens for k in g.stats.drafted_per_round],
-        "accepted_per_round": [a for g in gens for a in g.stats.accepted_per_round],
-        **_pool_metrics(gens),
-    }
-
-
-def _pool_metrics(gens: list[Generation]) -> dict[str, Any]:
-    """A drafter pool's (MetaSD) per-round arms and rewards, arm counts and catch-up cost."""
-    stats = [s for g in gens for s in (g.stats, *g.nested_stats.values())]
-    arms = [a for s in stats for a in s.arms]
-    if not arms:
-        return {}
-    return {
-        "arms": arms,
-        "arm_rewards": [r for s in stats for r in s.rewards],
-        "arm_counts": [arms.count(i) for i in range(max(arms) + 1)],
-        "catchup_tokens": sum(s.catchup_tokens for s in stats),
-        "catchup_s": sum(s.catchup_s for s in stats),
-    }
 
 
 @dataclass
@@ -312,13 +106,6 @@ class _Conversation:
     request: Request
     messages: list[dict[str, str]]
     turns: list[TurnResult] = field(default_factory=list)
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    vals = sorted(values)
-    return vals[min(len(vals) - 1, round(q * (len(vals) - 1)))]
 
 
 class Runner:
@@ -345,7 +132,7 @@ class Runner:
         )
         use_cache = settings.baseline_cache and settings.batch_size == 1
         self.baseline_cache = BaselineCache(cache_root / "baselines" if use_cache else None)
-        self._batch: dict[str, Any] = {}
+        self._batch: dict[str, Any] = {}  # the batch section of the summary, as measured
 
     # ---------------------------------------------------------------- callbacks
     def _emit(self, hook: str, *args: Any, safe: bool = False) -> None:
@@ -465,7 +252,7 @@ class Runner:
             prompt = build_prompt(self.tokenizer, [{"role": "user", "content": r.turns[0]}], s)
             try:
                 scheduler.check(SeqRequest(prompt, s.max_new_tokens), self.sampling)
-            except ConfigError as exc:
+            except SpecflowError as exc:
                 raise type(exc)(f"request {r.request_id}: {exc}") from None
 
     def warmup(self, schedulers: list[Scheduler], requests: list[Request]) -> None:
@@ -487,7 +274,7 @@ class Runner:
         """The JSONL record of a request (method's turns, and the baseline's when run)."""
         gens = [t.generation for t in turns]
         texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
-        metrics = _generation_metrics(gens)
+        metrics = generation_metrics(gens)
         metrics["latency_s"] = metrics["total_s"]
         metrics["queued_s"] = sum(t.queued_s for t in turns)
         base_text = ""
@@ -524,10 +311,10 @@ class Runner:
                 for t, text in zip(turns, texts, strict=True)
             ],
             "metrics": metrics,
-            "task": _score(request, texts[-1]),
+            "task": task_scores(request, texts[-1]),
         }
         if base is not None:
-            record["baseline_task"] = _score(request, base_text)
+            record["baseline_task"] = task_scores(request, base_text)
         return record
 
     # ---------------------------------------------------------------- the run
@@ -577,6 +364,8 @@ class Runner:
         log.info("decoding: batch_size=%d device=%s kv=%s", s.batch_size, s.device, s.layout().kind)
         if s.warmup:
             self.warmup([method] + ([base] if base is not None else []), todo)
+        if base is not None and self.baseline_cache.directory is not None:
+            self._check_drift(base, todo[0])
         on_round = self._round_hook()
         chunks = [[r] for r in todo] if s.batch_size == 1 else [todo]
         base_wall = method_wall = 0.0
@@ -601,7 +390,7 @@ class Runner:
         pools = method.kv.pools
         self._batch.update(
             {
-                "kv_layout": method.kv.layout.kind,
+                **method.kv.report(),
                 "attention": pools[0].attention.name if pools else "contiguous",
                 "block_size": pools[0].block_size if pools else None,
                 "wall_s": method_wall,
@@ -617,6 +406,32 @@ class Runner:
             if base_tp:
                 self._batch["throughput_speedup"] = self._batch["throughput_tokens_per_s"] / base_tp
 
+    def _check_drift(self, base: Scheduler, request: Request) -> None:
+        """Re-time the cached baseline of the first request's first turn: a machine slower or
+        faster than when the cache was filled would skew every cached speedup."""
+        s = self.settings
+        prompt = build_prompt(self.tokenizer, [{"role": "user", "content": request.turns[0]}], s)
+        key = self.baseline_cache.key(
+            self.pipeline, prompt, s.max_new_tokens, self.sampling, s.seed
+        )
+        hit = self.baseline_cache.get(key)
+        if hit is None or not hit["total_s"]:
+            return
+        (fresh,) = base.generate([SeqRequest(prompt, s.max_new_tokens, s.seed)], self.sampling)
+        drift = fresh.generation.total_s / hit["total_s"]
+        self._batch["baseline_drift"] = drift
+        if abs(drift - 1.0) > DRIFT_WARN:
+            log.warning(
+                "the cached baseline of %s took %.2fs, now %.2fs (%.0f%% %s): cached speedups "
+                "compare against another machine state; runner.baseline_cache=false measures "
+                "side by side",
+                request.request_id,
+                hit["total_s"],
+                fresh.generation.total_s,
+                abs(drift - 1.0) * 100,
+                "slower" if drift > 1 else "faster",
+            )
+
     def _batch_summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """``batch``: size, device, KV layout, throughput across the batch and latencies."""
         s = self.settings
@@ -625,8 +440,8 @@ class Runner:
         batch.update(
             {
                 "latency_s_mean": statistics.fmean(lat) if lat else None,
-                "latency_s_p50": _percentile(lat, 0.5),
-                "latency_s_p90": _percentile(lat, 0.9),
+                "latency_s_p50": percentile(lat, 0.5),
+                "latency_s_p90": percentile(lat, 0.9),
             }
         )
         return batch

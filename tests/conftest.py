@@ -58,3 +58,23 @@ def _hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def two_token_law(lm, prompt: list[int], sampling) -> dict[tuple[int, int], float]:
+    """The target's exact law of its next two sampled tokens after ``prompt``:
+    ``{(t1, t2): p(t1) p(t2 | t1)}`` over the tokens the warp keeps."""
+    from specflow.models.session import ModelSession
+    from specflow.sampling import warp
+
+    top = lm.info.num_layers
+    n = len(prompt)
+    sess = ModelSession(lm, n + 8)
+    sess.set_tokens(prompt)
+    p1 = warp(sess.logits(top, n - 1, n), sampling)[0]
+    law = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        sess.set_tokens(prompt + [t1])
+        p2 = warp(sess.logits(top, n, n + 1), sampling)[0]
+        for t2 in p2.nonzero().flatten().tolist():
+            law[(t1, t2)] = float(p1[t1] * p2[t2])
+    return law

@@ -26,7 +26,8 @@ from specflow import compare
 from specflow.engine import SpeculativePipeline
 from specflow.metrics import flatten_record, flatten_summary
 from specflow.results import RunFolder, read_records, summarize
-from specflow.runner import Runner, RunSettings
+from specflow.runner import Runner
+from specflow.settings import RunSettings
 from specflow.state import Draft, SamplingParams
 from specflow.workload import Request
 from stages.exact_acceptor import ExactAcceptor

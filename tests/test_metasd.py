@@ -12,7 +12,7 @@ import torch
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.oracle import load_runs, oracle_report
-from specflow.runner import _generation_metrics
+from specflow.records import generation_metrics
 from specflow.state import Acceptance, DecodeState, Draft
 from stages.exact_acceptor import ExactAcceptor
 from stages.fixed_selector import FixedSelector
@@ -278,12 +278,12 @@ def test_pool_metrics_for_the_runner(deep_target, tiny_drafter):
     _, draft_lm = tiny_drafter
     pipe = pool_pipeline(lm, PoolDrafter(make_arms(lm, draft_lm), RoundRobinSelector()))
     gens = [pipe.generate(p, MAX_NEW) for p in PROMPTS]
-    m = _generation_metrics(gens)
+    m = generation_metrics(gens)
     assert m["arms"] == gens[0].stats.arms + gens[1].stats.arms
     assert len(m["arm_rewards"]) == len(m["arms"])
     assert sum(m["arm_counts"]) == len(m["arms"]) and len(m["arm_counts"]) == 5
     assert m["catchup_tokens"] > 0 and m["catchup_s"] >= 0
-    assert "arms" not in _generation_metrics([pool_pipeline(lm, None).generate([1, 2], 4)])
+    assert "arms" not in generation_metrics([pool_pipeline(lm, None).generate([1, 2], 4)])
 
 
 # ---------------------------------------------------------------- oracle

@@ -13,9 +13,7 @@ import pytest
 from scipy.stats import chisquare
 
 from specflow.engine import SpeculativePipeline
-from specflow.models.session import ModelSession
 from specflow.models.stores import KVLayout
-from specflow.sampling import warp
 from specflow.scheduler import Scheduler, SeqRequest
 from specflow.state import DecodeState, Draft, SamplingParams
 from stages.draft_length import AdaptiveDraftLength
@@ -32,7 +30,7 @@ from stages.rejection_acceptor import RejectionAcceptor
 from stages.round_robin_selector import RoundRobinSelector
 from stages.single_selector import SingleSelector
 from stages.ucb_selector import DiscountedUCBSelector, UCBSelector
-from tests.conftest import hf_greedy, make_pair
+from tests.conftest import hf_greedy, make_pair, two_token_law
 
 PROMPTS = [
     [1, 5, 9, 17, 33, 5, 9],
@@ -183,15 +181,7 @@ def test_sampling_follows_the_target_law_at_batch_three(target, drafter):
         FullVerifier(lm), RejectionAcceptor(), drafter=ModelDrafter(drafter[1], k=2)
     )
     prompt = [1, 5, 9]
-    sess = ModelSession(lm, 16)
-    sess.set_tokens(prompt)
-    p1 = warp(sess.logits(6, 2, 3), sampling)[0]
-    law = {}
-    for t1 in p1.nonzero().flatten().tolist():
-        sess.set_tokens(prompt + [t1])
-        p2 = warp(sess.logits(6, 3, 4), sampling)[0]
-        for t2 in p2.nonzero().flatten().tolist():
-            law[(t1, t2)] = float(p1[t1] * p2[t2])
+    law = two_token_law(lm, prompt, sampling)
     trials = 900
     sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=16)
     reqs = [SeqRequest(prompt, 2, seed=s, stop_token_ids=()) for s in range(trials)]

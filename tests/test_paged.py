@@ -19,8 +19,9 @@ from specflow.models.stores import KVLayout
 from specflow.paged.attention import AttnBatch, sdpa_paged, select_backend
 from specflow.paged.cache import BlockAllocator, CacheFullError, PagedKVCache
 from specflow.results import RunFolder
-from specflow.runner import Runner, RunSettings
+from specflow.runner import Runner
 from specflow.scheduler import Scheduler, SeqRequest
+from specflow.settings import RunSettings
 from specflow.state import SamplingParams
 from specflow.workload import Request
 from stages.exact_acceptor import ExactAcceptor

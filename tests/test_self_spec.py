@@ -9,7 +9,6 @@ from scipy.stats import chisquare
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.models.session import ModelSession
-from specflow.sampling import warp
 from specflow.state import DecodeState, SamplingParams
 from stages.early_exit_verifier import EarlyExitVerifier
 from stages.exact_acceptor import ExactAcceptor
@@ -17,7 +16,7 @@ from stages.full_verifier import FullVerifier
 from stages.layer_skip_drafter import LayerSkipDrafter
 from stages.model_drafter import ModelDrafter
 from stages.rejection_acceptor import RejectionAcceptor
-from tests.conftest import hf_greedy, make_pair
+from tests.conftest import hf_greedy, make_pair, two_token_law
 
 PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]]
 MAX_NEW = 40
@@ -186,15 +185,7 @@ def test_hispec_sampling_follows_the_target_law(deep):
     sampling = SamplingParams(temperature=1.0, top_k=3)
     pipe = hispec(lm, k=2, accumulate=2, acceptor=RejectionAcceptor())
     prompt = [1, 5, 9]
-    sess = ModelSession(lm, 16)
-    sess.set_tokens(prompt)
-    p1 = warp(sess.logits(6, 2, 3), sampling)[0]
-    law = {}
-    for t1 in p1.nonzero().flatten().tolist():
-        sess.set_tokens(prompt + [t1])
-        p2 = warp(sess.logits(6, 3, 4), sampling)[0]
-        for t2 in p2.nonzero().flatten().tolist():
-            law[(t1, t2)] = float(p1[t1] * p2[t2])
+    law = two_token_law(lm, prompt, sampling)
     trials = 1200
     counts = dict.fromkeys(law, 0)
     for seed in range(trials):

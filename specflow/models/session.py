@@ -26,11 +26,15 @@ sequences is the one code path, and ``ModelSession.hidden`` is a batch of one.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from specflow.errors import PromptTooLongError
 from specflow.models.base import LayeredLM, LayerKV
+
+if TYPE_CHECKING:
+    from specflow.paged.static import StaticDecoder
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -52,6 +56,7 @@ class ModelSession:
         max_len: the most positions this request may hold.
         caches: one ``LayerKV`` per decoder layer (default: contiguous ones of the model).
         release: frees the caches' storage (a paged sequence's blocks) when the request ends.
+        static: the model's static (CUDA-graph) step runner, for full forwards that fit it.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class ModelSession:
         max_len: int,
         caches: list[LayerKV] | None = None,
         release: Callable[[], None] | None = None,
+        static: StaticDecoder | None = None,
     ) -> None:
         if max_len > model.info.max_positions:
             raise PromptTooLongError(
@@ -73,6 +79,7 @@ class ModelSession:
             caches if caches is not None else model.new_layer_caches(max_len)
         )
         self._release = release
+        self.static = static
         n = model.info.num_layers
         # kept[l]: h_l of positions [computed(l), computed(l-1)), shape [*, H]; kept[0] unused.
         self.kept: list[torch.Tensor | None] = [None] * (n + 1)
@@ -170,6 +177,14 @@ class ModelSession:
             self.final_hidden = torch.cat([self.final_hidden, out], dim=0)  # contiguous block
         else:
             self.final_hidden, self.final_start = out, done
+
+    def record_full_forward(self, start: int, final_hidden: torch.Tensor) -> None:
+        """Bookkeeping of a full forward run outside the layer loop (the static path):
+        every layer now holds positions up to ``start + rows`` (the caller set the caches'
+        lengths) and ``h_N`` of ``[start, start + rows)`` is kept."""
+        rows = final_hidden.shape[0]
+        self.layer_evals += rows * (self.num_layers - 1)
+        self._store(self.num_layers - 1, start, final_hidden)
 
     def _result(self, exit_layer: int) -> tuple[torch.Tensor, int]:
         """``(h, start)`` of ``hidden`` once the layers below ``exit_layer`` are computed."""
@@ -275,6 +290,9 @@ def forward_logits(queries: list[Query]) -> list[torch.Tensor]:
     CPU when the model runs elsewhere (stages decide on the CPU)."""
     if not queries:
         return []
+    static = queries[0][0].static
+    if static is not None and static.accepts(queries):
+        return _to_cpu(static.logits(queries))
     rows = forward_exit_hidden(queries)
     model = queries[0][0].model
     if len(queries) == 1:
@@ -289,7 +307,12 @@ def forward_logits(queries: list[Query]) -> list[torch.Tensor]:
                 n = rows[i].shape[0]
                 out[i] = logits[row : row + n]
                 row += n
-    if out[0].device.type != "cpu":
-        sizes = [o.shape[0] for o in out]
-        out = list(torch.cat(out).cpu().split(sizes))
-    return out  # type: ignore[return-value]
+    return _to_cpu(out)  # type: ignore[arg-type]
+
+
+def _to_cpu(out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the CPU with ONE device-to-host copy (none when already there)."""
+    if out[0].device.type == "cpu":
+        return out
+    sizes = [o.shape[0] for o in out]
+    return list(torch.cat(out).cpu().split(sizes))

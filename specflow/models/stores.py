@@ -27,6 +27,7 @@ from specflow.models.base import LayeredLM
 from specflow.models.session import ModelSession
 from specflow.paged.attention import FLASH_BLOCK_MULTIPLE, select_backend
 from specflow.paged.cache import PagedKVCache
+from specflow.paged.static import MODES, StaticDecoder
 
 LAYOUTS = ("contiguous", "paged")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,6 +54,10 @@ class KVLayout:
         dtype: run the models in this dtype (``None``: as loaded).
         attention: paged attention kernel: ``auto`` | ``sdpa`` | ``flash``.
         block_size: paged block size (``None``: 16, or 256 with flash).
+        decode: paged decode/verify steps: ``eager``; ``static`` (fixed shapes, run eagerly:
+            the CPU check of the graph path); ``graphs`` (fixed shapes replayed as CUDA
+            graphs, ``specflow.paged.static``).
+        max_rows: the most query rows per sequence a static step takes (``k_max + 1``).
     """
 
     kind: str = "contiguous"
@@ -60,10 +65,18 @@ class KVLayout:
     dtype: str | None = None
     attention: str = "auto"
     block_size: int | None = None
+    decode: str = "eager"
+    max_rows: int = 16
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUTS:
             raise ConfigError(f"runner.kv_layout={self.kind!r} is unknown; use one of {LAYOUTS}")
+        if self.decode not in MODES:
+            raise ConfigError(f"KV decode mode {self.decode!r} is unknown; use one of {MODES}")
+        if self.decode != "eager" and self.kind != "paged":
+            raise ConfigError(f"decode={self.decode} needs the paged KV layout")
+        if self.decode == "graphs" and (self.device or "cpu").split(":")[0] != "cuda":
+            raise ConfigError("CUDA graphs need runner.device=cuda")
         if self.block_size is not None and self.block_size < 1:
             raise ConfigError(f"runner.block_size must be >= 1, got {self.block_size}")
 
@@ -85,6 +98,7 @@ class KVStores:
         self.max_context = max_context
         self._placed: dict[int, tuple[LayeredLM, LayeredLM]] = {}  # id(lm) -> (lm, placed)
         self._pools: dict[int, PagedKVCache] = {}  # id(lm) -> its pool (paged)
+        self._static: dict[int, StaticDecoder] = {}  # id(lm) -> its static steps
         self._seq_ids = itertools.count()
 
     # ---------------------------------------------------------------- models
@@ -106,7 +120,10 @@ class KVStores:
         for lm in models:
             placed = self.place(lm)
             if self.layout.kind == "paged" and id(lm) not in self._pools:
-                self._pools[id(lm)] = self._new_pool(placed)
+                pool = self._pools[id(lm)] = self._new_pool(placed)
+                if self.layout.decode != "eager":
+                    graphs = self.layout.decode == "graphs"
+                    self._static[id(lm)] = StaticDecoder(placed, pool, self.layout.max_rows, graphs)
 
     def _new_pool(self, placed: LayeredLM) -> PagedKVCache:
         kernel, _ = select_backend(self.layout.attention, placed.device, placed.dtype)
@@ -116,8 +133,10 @@ class KVStores:
             raise ConfigError(
                 f"runner.block_size={bs} must be a multiple of {multiple} for attention={kernel}"
             )
-        num_blocks = self.max_seqs * math.ceil(self.max_context / bs)
-        return placed.new_paged_cache(num_blocks, bs, self.layout.attention)
+        per_sequence = math.ceil(self.max_context / bs)
+        pool = placed.new_paged_cache(self.max_seqs * per_sequence, bs, self.layout.attention)
+        pool.max_blocks_per_sequence = per_sequence
+        return pool
 
     @property
     def pools(self) -> list[PagedKVCache]:
@@ -142,7 +161,31 @@ class KVStores:
             self.register([lm])
             pool = self._pools[id(lm)]
         caches = pool.add_sequence(seq_id, max_len)
-        return ModelSession(placed, max_len, caches, lambda: pool.remove_sequence(seq_id))
+        release = lambda: pool.remove_sequence(seq_id)  # noqa: E731
+        return ModelSession(placed, max_len, caches, release, self._static.get(id(lm)))
+
+    def report(self) -> dict:
+        """Which kernels ran and what the static path did (for the run's summary)."""
+        kernels = sorted({k for pool in self._pools.values() for k in pool.attention.used})
+        if self.layout.kind == "contiguous":
+            kernels = ["contiguous_bmm"]
+        out: dict = {"kv_layout": self.layout.kind, "kernels": kernels, "decode": "eager"}
+        if self._static:
+            stats = [st.stats for st in self._static.values()]
+            out.update(
+                {
+                    "decode": self.layout.decode,
+                    "static_steps": sum(s.steps for s in stats),
+                    "eager_steps": sum(s.eager_steps for s in stats),
+                    "graphs_captured": sum(len(s.captured) for s in stats)
+                    if self.layout.decode == "graphs"
+                    else 0,
+                    "capture_s": sum(s.capture_s for s in stats),
+                }
+            )
+            if any(s.steps for s in stats):
+                out["kernels"] = sorted({*out["kernels"], "static_sdpa"})
+        return out
 
     def check_no_leaks(self) -> None:
         """Raise unless every block of every pool is free."""

@@ -219,6 +219,7 @@ class PagedAttention:
         self.cache = cache
         self.device = device
         self.name, self.kernel = select_backend(attention, device, dtype)
+        self.used: set[str] = set()  # the kernels that ran (for the run's summary)
         if cache.block_size % self.min_block_size:
             raise ConfigError(
                 f"KV block size {cache.block_size} must be a multiple of {self.min_block_size} "
@@ -270,7 +271,12 @@ class PagedAttention:
         scale: float,
         memo: dict,
     ) -> torch.Tensor:
-        """Scatter ``k, v [N, KH, D]`` into the pool, then ``q [N, NH, D] -> [N, NH, D]``."""
+        """Scatter ``k, v [N, KH, D]`` into the pool, then ``q [N, NH, D] -> [N, NH, D]``.
+
+        A fresh prefill (no sequence has cached keys) attends to the new rows directly with
+        ``causal_prefill``; anything else reads the pool with the selected kernel.
+        """
+        fresh = all(kv.length == 0 for kv, _ in batch)
         _, slots, attn = self._meta(batch, memo)
         layer = batch[0][0].layer  # type: ignore[attr-defined]
         kh, d = k.shape[1], k.shape[2]
@@ -279,4 +285,34 @@ class PagedAttention:
         v_pool.view(-1, kh, d).index_copy_(0, slots, v)
         for kv, t in batch:
             self.cache.set_length(kv.seq_id, layer, kv.length + t)  # type: ignore[attr-defined]
+        if fresh:
+            self.used.add("sdpa_causal_prefill")
+            return causal_prefill(q, k, v, [t for _, t in batch], scale)
+        self.used.add(f"{self.name}_paged")
         return self.kernel(q, k_pool, v_pool, attn, scale)
+
+
+def causal_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], scale: float
+) -> torch.Tensor:
+    """Causal attention of packed fresh sequences over their own rows (no cache, no mask):
+    ``q [N, NH, D]``, ``k, v [N, KH, D]`` -> ``[N, NH, D]``.
+
+    ``is_causal=True`` without an explicit mask is what lets SDPA pick its FlashAttention
+    kernel on CUDA (fp16/bf16); with no cached keys, its upper-left alignment is the
+    lower-right rule.  GQA through ``enable_gqa`` (no K/V copies).
+    """
+    outs, row = [], 0
+    for t in q_lens:
+        span = slice(row, row + t)
+        out = F.scaled_dot_product_attention(
+            q[span].transpose(0, 1)[None],  # [1, NH, t, D]
+            k[span].transpose(0, 1)[None],  # [1, KH, t, D]
+            v[span].transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, NH, t, D]
+        outs.append(out[0].transpose(0, 1))
+        row += t
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -136,6 +136,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         attention: str = "auto",
+        max_blocks_per_sequence: int | None = None,
     ) -> None:
         from specflow.paged.attention import PagedAttention
 
@@ -143,7 +144,12 @@ class PagedKVCache:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_layers = num_layers
         self.block_size = block_size
-        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        # One block past the allocator's: a scratch block that padding rows of static
+        # (fixed-shape, CUDA-graph) forwards write to and read from; never handed out.
+        self.null_block = num_blocks
+        # The most blocks one sequence may hold (the fixed block-table width of static steps).
+        self.max_blocks_per_sequence = max_blocks_per_sequence or num_blocks
+        shape = (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [NL, NB, BS, KH, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [NL, NB, BS, KH, D]
         self.allocator = BlockAllocator(num_blocks)
@@ -226,6 +232,15 @@ class PagedKVCache:
         for i, t in enumerate(tables):
             out[i, : t.shape[0]] = t
         return out.to(device)
+
+    def blocks_of(self, seq_id: int) -> list[int]:
+        """The sequence's block ids (position ``p`` is in ``blocks[p // block_size]``)."""
+        return self.seqs[seq_id].blocks
+
+    def set_lengths(self, seq_id: int, length: int) -> None:
+        """Every layer of the sequence holds positions ``[0, length)``."""
+        lengths = self.seqs[seq_id].lengths
+        lengths[:] = [length] * len(lengths)
 
     def slots(self, seq_id: int, start: int, end: int) -> list[int]:
         """Flat slot ids (``block * block_size + offset``) of positions ``[start, end)``."""

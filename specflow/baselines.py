@@ -1,0 +1,74 @@
+"""Plain-decoding baselines kept on disk (an opt-in for sweeps), and the machine they ran on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specflow.engine import SpeculativePipeline
+from specflow.state import SamplingParams
+
+
+def machine_description() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    return {
+        "host": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+
+class BaselineCache:
+    """Plain-decoding results on disk, keyed by everything that can change them."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+
+    def key(
+        self,
+        pipeline: SpeculativePipeline,
+        prompt: list[int],
+        max_new: int,
+        sampling: SamplingParams,
+        seed: int,
+    ) -> str:
+        lm = pipeline.target_verifier.uses()[0].lm
+        blob = json.dumps(
+            {
+                "model": repr(lm.info),
+                "backend": type(lm).__name__,
+                "prompt": prompt,
+                "max_new": max_new,
+                "sampling": repr(sampling),
+                "seed": seed,
+                "machine": machine_description(),
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        if self.directory is None:
+            return None
+        path = self.directory / f"{key}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        if self.directory is None:
+            return
+        path = self.directory / f"{key}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(value))
+        tmp.replace(path)

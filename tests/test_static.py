@@ -1,0 +1,183 @@
+"""The static-shape (CUDA-graph) step path and the kernel choice, checked on the CPU.
+
+On CUDA the static steps are captured and replayed as CUDA graphs; here the very same
+fixed-shape code runs eagerly (``decode="static"``), so its padding, bucketing, block-table
+and bookkeeping logic is exact-tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
+from specflow.models.stores import KVLayout
+from specflow.paged.attention import AttnBatch, causal_prefill, sdpa_paged
+from specflow.paged.cache import PagedKVCache
+from specflow.paged.static import bucket_for, static_paged
+from specflow.scheduler import Scheduler, SeqRequest
+from specflow.settings import RunSettings
+from stages.draft_length import AdaptiveDraftLength
+from stages.exact_acceptor import ExactAcceptor
+from stages.full_verifier import FullVerifier
+from stages.model_drafter import ModelDrafter
+from stages.pld_drafter import PLDDrafter
+from tests.conftest import hf_greedy
+
+PROMPTS = [
+    [1, 5, 9, 17, 33, 5, 9],
+    [3, 4, 5, 6, 7, 8, 3, 4, 5, 6],
+    [2],
+    [7, 7, 7, 7, 7, 7],
+    [11, 12, 13, 14, 11, 12, 13, 14, 11, 12],
+]
+MAX_NEW = 24
+
+
+def test_buckets():
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
+    assert bucket_for(33) is None
+
+
+def _filled_pool(kv_lens: list[int], kh: int = 2, d: int = 8, bs: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    pool = PagedKVCache(1, kh, d, num_blocks=32, block_size=bs)
+    for i, n in enumerate(kv_lens):
+        pool.add_sequence(i, 24)
+        pool.reserve(i, n)
+        slots = torch.tensor(pool.slots(i, 0, n))
+        pool.k[0].view(-1, kh, d)[slots] = torch.randn(n, kh, d)
+        pool.v[0].view(-1, kh, d)[slots] = torch.randn(n, kh, d)
+    return pool
+
+
+def test_static_attention_equals_the_dynamic_kernel_with_padding():
+    """Ragged queries padded to a fixed [B, T] with a fixed-width table: the real rows
+    equal ``sdpa_paged`` (lower-right causal, per sequence)."""
+    nh, d, bs = 4, 8, 4
+    q_lens, kv_lens = [3, 1, 2], [7, 4, 5]
+    pool = _filled_pool(kv_lens)
+    q = torch.randn(sum(q_lens), nh, d)
+    batch = AttnBatch.build(q_lens, kv_lens, pool.block_table([0, 1, 2], "cpu"), "cpu")
+    want = sdpa_paged(q, pool.k[0], pool.v[0], batch, d**-0.5)
+    big_b, t, width = 4, 3, 6  # bucket 4 (one padding sequence), 3 rows, 6 blocks per table
+    qs = torch.zeros(big_b, t, nh, d)
+    positions = torch.zeros(big_b, t, dtype=torch.long)
+    table = torch.full((big_b, width), pool.null_block, dtype=torch.long)
+    row = 0
+    for b, (tq, n) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        qs[b, :tq] = q[row : row + tq]
+        positions[b, :tq] = torch.arange(n - tq, n)
+        blocks = pool.blocks_of(b)
+        table[b, : len(blocks)] = torch.tensor(blocks)
+        row += tq
+    got = static_paged(
+        qs, pool.k[0], pool.v[0], table, positions, torch.arange(width * bs), d**-0.5
+    )
+    row = 0
+    for b, tq in enumerate(q_lens):
+        torch.testing.assert_close(got[b, :tq], want[row : row + tq], atol=1e-5, rtol=1e-5)
+        row += tq
+
+
+def test_causal_prefill_equals_the_paged_kernel():
+    nh, kh, d = 4, 2, 8
+    lens = [5, 1, 3]
+    q, k, v = torch.randn(9, nh, d), torch.randn(9, kh, d), torch.randn(9, kh, d)
+    pool = PagedKVCache(1, kh, d, num_blocks=16, block_size=4)
+    for i, n in enumerate(lens):
+        pool.add_sequence(i, 8)
+        pool.reserve(i, n)
+    slots = torch.tensor([s for i, n in enumerate(lens) for s in pool.slots(i, 0, n)])
+    pool.k[0].view(-1, kh, d)[slots] = k
+    pool.v[0].view(-1, kh, d)[slots] = v
+    batch = AttnBatch.build(lens, lens, pool.block_table([0, 1, 2], "cpu"), "cpu")
+    want = sdpa_paged(q, pool.k[0], pool.v[0], batch, d**-0.5)
+    torch.testing.assert_close(causal_prefill(q, k, v, lens, d**-0.5), want, atol=1e-5, rtol=1e-5)
+
+
+def _pipelines(lm, draft_lm):
+    def p(drafter=None, **kw):
+        return SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter, **kw)
+
+    return {
+        "ar": p(),
+        "pld": p(PLDDrafter(k=5)),
+        "pld_adaptive": p(PLDDrafter(k=5), draft_length=AdaptiveDraftLength()),
+        "sps": p(ModelDrafter(draft_lm, k=3)),
+        "self_spec": p(ModelDrafter(lm, k=3, exit_layer=2)),  # shares the target: eager
+    }
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("method", ["ar", "pld", "pld_adaptive", "sps", "self_spec"])
+def test_static_steps_keep_greedy_identity(method, batch_size, tiny_target, tiny_drafter):
+    hf, lm = tiny_target
+    pipe = _pipelines(lm, tiny_drafter[1])[method]
+    layout = KVLayout(kind="paged", decode="static", block_size=4, max_rows=6)
+    sched = Scheduler(pipe, batch_size, layout, max_context=64)
+    reqs = [SeqRequest(p, MAX_NEW, tag=i) for i, p in enumerate(PROMPTS)]
+    got = {r.request.tag: r.generation.tokens for r in sched.generate(reqs)}
+    assert [got[i] for i in range(len(PROMPTS))] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    report = sched.kv.report()
+    sched.kv.check_no_leaks()
+    target_pool = sched.kv.pools[0]
+    assert target_pool.null_block == target_pool.allocator.num_blocks  # never handed out
+    if method == "self_spec":  # the drafter's partial layers: its verify steps run eagerly
+        assert report["eager_steps"] > report["static_steps"]  # static: the k = 0 last rounds
+    else:
+        assert report["static_steps"] > 0 and "static_sdpa" in report["kernels"]
+    assert "sdpa_causal_prefill" in report["kernels"]  # prompts > 1 token prefill fresh
+    assert report["decode"] == "static" and report["graphs_captured"] == 0
+
+
+def test_kernel_choice(monkeypatch):
+    """auto: flash on CUDA with fp16/bf16 when flash-attn imports, else SDPA; graphs only
+    on CUDA with paged KV."""
+    import specflow.paged.attention as attention
+
+    monkeypatch.setattr(attention, "flash_available", lambda: True)
+    assert attention.select_backend("auto", "cuda", torch.bfloat16)[0] == "flash"
+    assert attention.select_backend("auto", "cuda", torch.float32)[0] == "sdpa"
+    assert attention.select_backend("auto", "cpu", torch.bfloat16)[0] == "sdpa"
+    assert attention.select_backend("sdpa", "cuda", torch.bfloat16)[0] == "sdpa"
+    monkeypatch.setattr(attention, "flash_available", lambda: False)
+    assert attention.select_backend("auto", "cuda", torch.bfloat16)[0] == "sdpa"
+    with pytest.raises(ConfigError, match="flash-attn is not installed"):
+        attention.select_backend("flash", "cuda", torch.bfloat16)
+    assert RunSettings(kv_layout="paged").layout().decode == "eager"  # graphs need CUDA
+    with pytest.raises(ConfigError, match="CUDA graphs need runner.device=cuda"):
+        KVLayout(kind="paged", decode="graphs")
+    with pytest.raises(ConfigError, match="needs the paged KV layout"):
+        KVLayout(kind="contiguous", decode="static")
+
+
+def test_steps_outside_the_buckets_run_eagerly(tiny_target):
+    """Verify rows beyond ``max_rows`` do not fit a static shape: eager, same tokens."""
+    hf, lm = tiny_target
+    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=PLDDrafter(k=8))
+    layout = KVLayout(kind="paged", decode="static", block_size=4, max_rows=2)
+    sched = Scheduler(pipe, 2, layout, max_context=64)
+    prompt = PROMPTS[1]
+    (res,) = sched.generate([SeqRequest(prompt, MAX_NEW)])
+    assert res.generation.tokens == hf_greedy(hf, prompt, MAX_NEW)
+    report = sched.kv.report()
+    assert report["eager_steps"] > 0
+
+
+def test_random_batches_static_equals_eager(tiny_qwen):
+    """Qwen2 (biases, GQA 2:1 in the tiny config), random prompts through 4 slots."""
+    _, lm = tiny_qwen
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 120) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
+    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=PLDDrafter(k=4))
+    outs = []
+    for decode in ("eager", "static"):
+        layout = KVLayout(kind="paged", decode=decode, block_size=4, max_rows=5)
+        sched = Scheduler(pipe, 4, layout, max_context=64)
+        res = sched.generate([SeqRequest(p, 20, tag=i) for i, p in enumerate(prompts)])
+        outs.append({r.request.tag: r.generation.tokens for r in res})
+    assert outs[0] == outs[1]
