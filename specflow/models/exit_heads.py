@@ -28,14 +28,17 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specflow.errors import ConfigError
-from specflow.models.base import ModelInfo
+from specflow.models.base import LayeredLM, ModelInfo
+
+if TYPE_CHECKING:
+    from specflow.models.native import NativeLM
 
 HEAD_TYPES = ("norm", "linear", "mlp")
 FORMAT = "specflow-exit-heads"
@@ -241,30 +244,36 @@ def load_heads(path: str | Path, info: ModelInfo, check_name: bool = True
     return heads
 
 
-def attach_heads(lm: Any, heads: Mapping[int, nn.Module]) -> Any:
-    """Make ``heads`` the exit heads of ``lm`` (a ``NativeLM``): ``lm.exit_heads = heads``.
+def attach_heads(
+    lm: LayeredLM, heads: Mapping[int, nn.Module], path: str | None = None
+) -> NativeLM:
+    """Make ``heads`` the exit heads of ``lm`` (a ``NativeLM``; ``path``: where they came from).
 
     Heads are moved to ``lm``'s device and dtype, frozen and put in eval mode; any heads
     attached before are replaced.  Note ``load_model`` caches models per process, so every
     stage sharing that model sees the heads.  Returns ``lm``.
     """
-    if not hasattr(lm, "exit_heads"):
+    from specflow.models.native import NativeLM
+
+    if not isinstance(lm, NativeLM):
         raise ConfigError(
             f"{type(lm).__name__} does not support exit heads; load the model with "
             f"backend='native' (Llama/Qwen2 family)"
         )
     _check_heads(heads, lm.info)
-    device = getattr(lm, "device", "cpu")
-    dtype = getattr(lm, "dtype", torch.float32)
-    lm.exit_heads = {
-        int(layer): head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        for layer, head in heads.items()
-    }
+    lm.set_exit_heads(
+        {
+            int(layer): head.to(device=lm.device, dtype=lm.dtype).eval().requires_grad_(False)
+            for layer, head in heads.items()
+        },
+        path,
+    )
     return lm
 
 
-def load_and_attach(lm: Any, path: str | Path, check_name: bool = True) -> dict[int, ExitHead]:
+def load_and_attach(
+    lm: LayeredLM, path: str | Path, check_name: bool = True
+) -> dict[int, nn.Module]:
     """``attach_heads(lm, load_heads(path, lm.info))``; returns the attached heads."""
     heads = load_heads(path, lm.info, check_name)
-    attach_heads(lm, heads)
-    return lm.exit_heads
+    return attach_heads(lm, heads, str(path)).exit_heads

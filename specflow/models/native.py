@@ -165,6 +165,7 @@ class NativeLM:
         self.dtype = embed_weight.dtype
         self.device = embed_weight.device
         self.exit_heads: dict[int, nn.Module] = {}
+        self.exit_heads_path: str | None = None  # the file the attached heads came from
         self._placed: dict[tuple[str, torch.dtype], NativeLM] = {}  # see ``to``
         # RoPE tables exactly as HF's default rope: fp32 angles, cast to the model dtype.
         inv_freq = 1.0 / (
@@ -251,6 +252,13 @@ class NativeLM:
             device=self.device,
             attention=attention,
         )
+
+    def set_exit_heads(self, heads: dict[int, nn.Module], path: str | None = None) -> None:
+        """Replace the exit heads (already on this model's device/dtype); copies of this
+        model on other devices are dropped, so the next ``to`` carries the new heads."""
+        self.exit_heads = heads
+        self.exit_heads_path = path
+        self._placed.clear()
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> NativeLM:
         """This model's weights on ``device`` / ``dtype`` (``self`` when nothing changes;

@@ -49,6 +49,7 @@ def attach_exit_heads(lm: LayeredLM, name: str, heads: str) -> None:
             f"`python -m train_heads.train model={name}` (see train_heads/README.md), or set "
             f"model.exit_heads=null to exit through the shared final norm + LM head"
         )
-    if getattr(lm, "_exit_heads_path", None) != str(path):
+    from specflow.models.native import NativeLM
+
+    if not isinstance(lm, NativeLM) or lm.exit_heads_path != str(path):
         load_and_attach(lm, path)
-        lm._exit_heads_path = str(path)  # type: ignore[attr-defined]
