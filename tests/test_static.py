@@ -181,3 +181,26 @@ def test_random_batches_static_equals_eager(tiny_qwen):
         res = sched.generate([SeqRequest(p, 20, tag=i) for i, p in enumerate(prompts)])
         outs.append({r.request.tag: r.generation.tokens for r in res})
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["models/native.py", "models/attention.py", "paged/attention.py", "paged/static.py"],
+)
+def test_no_host_sync_inside_the_model(module):
+    """The decoder layer and its attention backends never read a device value back on the
+    host (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``): a step is launched, not waited on;
+    the one device-to-host copy of a step is ``forward_logits``' copy of the logits."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "specflow"
+    tree = ast.parse((root / module).read_text())
+    calls = [
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("item", "tolist", "cpu", "numpy")
+    ]
+    assert calls == []
