@@ -115,6 +115,7 @@ def test_untrained_head_is_the_cut_model(tiny):
 def _train(cache, lm, steps: int, kind: str = "mlp"):
     import lightning as L
 
+    torch.manual_seed(0)  # the heads' initialization (the result must not depend on test order)
     heads = {layer: ExitHead(lm.info.hidden_size, kind, 16, lm.eps, lm.final_norm)
              for layer in LAYERS}
     module = ExitHeadDistiller(lm.lm_head, heads, lr=1e-2, warmup_steps=1)
@@ -139,6 +140,7 @@ def _kl(module, dm, rows: torch.Tensor) -> float:
 
 def test_a_few_steps_reduce_the_distillation_loss(tiny, cache):
     lm = tiny.lm
+    torch.manual_seed(0)  # the same initialization as the trained heads start from
     heads = {layer: ExitHead(lm.info.hidden_size, "mlp", 16, lm.eps, lm.final_norm)
              for layer in LAYERS}
     dm = ExitDataModule(cache, LAYERS, batch_size=32, val_max_rows=None)
