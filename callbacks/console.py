@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from specflow.metrics import flatten_by_category, flatten_summary, stage_names
 from specflow.results import format_table
+from specflow.workload import Request
 
 
 def _fmt(value: float | None) -> str:
@@ -55,8 +56,22 @@ def format_report(summary: dict[str, Any]) -> str:
 class ConsoleTable:
     """Prints ``format_report(summary)`` when the run ends."""
 
+    wants_rounds = False  # on_round_end is not needed after every round
+
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
 
     def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
         print(format_report(summary), file=self.stream or sys.stdout, flush=True)
+
+    def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None:
+        pass
+
+    def on_request_start(self, request: Request) -> None:
+        pass
+
+    def on_round_end(self, request: Request, event: dict[str, int]) -> None:
+        pass
+
+    def on_request_end(self, record: dict[str, Any]) -> None:
+        pass

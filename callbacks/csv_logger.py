@@ -21,6 +21,7 @@ from specflow.metrics import (
     flatten_summary,
     ordered_columns,
 )
+from specflow.workload import Request
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]], first: tuple[str, ...] = ()) -> Path:
@@ -35,6 +36,8 @@ def write_csv(path: Path, rows: list[dict[str, Any]], first: tuple[str, ...] = (
 
 class CsvLogger:
     """Writes ``requests.csv`` and ``summary.csv`` (names configurable)."""
+
+    wants_rounds = False  # on_round_end is not needed after every round
 
     def __init__(
         self, requests_file: str = "requests.csv", summary_file: str = "summary.csv"
@@ -61,3 +64,9 @@ class CsvLogger:
         rows = [{"category": c, **flat} for c, flat in flatten_by_category(summary).items()]
         rows.append({"category": "ALL", **flatten_summary(summary)})
         write_csv(folder / self.summary_file, rows, ("category",))
+
+    def on_request_start(self, request: Request) -> None:
+        pass
+
+    def on_round_end(self, request: Request, event: dict[str, int]) -> None:
+        pass

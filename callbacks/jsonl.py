@@ -17,10 +17,13 @@ from typing import Any
 
 from callbacks.folders import run_dir
 from specflow.metrics import flatten_by_category, flatten_record, flatten_summary
+from specflow.workload import Request
 
 
 class JsonlLogger:
     """Appends metric events to ``<run folder>/<filename>``."""
+
+    wants_rounds = False  # on_round_end is not needed after every round
 
     def __init__(self, filename: str = "metrics.jsonl", dir: str | None = None) -> None:
         self.filename = filename
@@ -75,3 +78,9 @@ class JsonlLogger:
                 **flatten_summary(summary),
             }
         )
+
+    def on_request_start(self, request: Request) -> None:
+        pass
+
+    def on_round_end(self, request: Request, event: dict[str, int]) -> None:
+        pass

@@ -20,6 +20,7 @@ from typing import Any
 
 from specflow.metrics import flatten_by_category, flatten_summary, stage_names
 from specflow.results import REQUESTS_FILE, read_records
+from specflow.workload import Request
 
 PLOT_FILES = ("speedup_by_category.png", "tau_hist.png", "time_per_stage.png", "arm_choices.png")
 
@@ -98,8 +99,14 @@ def plot_time_per_stage(summary: dict[str, Any], path: Path) -> Path | None:
         bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
     base = [f.get("throughput/baseline_tokens_per_s") for _, f in groups]
     if any(base):
-        ax.bar([i + 0.2 for i in x], [1000 / b if b else 0.0 for b in base], width=0.4,
-               color="lightgray", edgecolor="k", label="plain decoding")
+        ax.bar(
+            [i + 0.2 for i in x],
+            [1000 / b if b else 0.0 for b in base],
+            width=0.4,
+            color="lightgray",
+            edgecolor="k",
+            label="plain decoding",
+        )
     ax.set_xticks(x, names, rotation=30)
     ax.set_ylabel("ms per generated token")
     ax.set_title("time per stage")
@@ -124,8 +131,9 @@ def plot_arm_choices(records: list[dict[str, Any]], path: Path) -> Path | None:
     every = sorted({a for reqs in by_cat.values() for arms in reqs for a in arms})
     plt = pyplot()
     cols = len(by_cat)
-    fig, axes = plt.subplots(2, cols, figsize=(max(4.0, 3.2 * cols), 4.8), squeeze=False,
-                             sharey="row")
+    fig, axes = plt.subplots(
+        2, cols, figsize=(max(4.0, 3.2 * cols), 4.8), squeeze=False, sharey="row"
+    )
     for col, (cat, reqs) in enumerate(sorted(by_cat.items())):
         top, bottom = axes[0][col], axes[1][col]
         for i, arms in enumerate(reqs):
@@ -148,9 +156,7 @@ def plot_arm_choices(records: list[dict[str, Any]], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def make_plots(
-    summary: dict[str, Any], records: list[dict[str, Any]], folder: Path
-) -> list[Path]:
+def make_plots(summary: dict[str, Any], records: list[dict[str, Any]], folder: Path) -> list[Path]:
     """Every figure with data, written into ``folder``; the paths written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -172,6 +178,8 @@ def run_records(folder: Path, fallback: list[dict[str, Any]]) -> list[dict[str, 
 class Plots:
     """Draws ``make_plots`` into the run folder when the run ends."""
 
+    wants_rounds = False  # on_round_end is not needed after every round
+
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
         self.written: list[Path] = []
@@ -181,3 +189,12 @@ class Plots:
 
     def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
         self.written = make_plots(summary, run_records(folder, self.records), folder)
+
+    def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None:
+        pass
+
+    def on_request_start(self, request: Request) -> None:
+        pass
+
+    def on_round_end(self, request: Request, event: dict[str, int]) -> None:
+        pass

@@ -12,9 +12,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specflow.workload import Request
+
 
 class ProgressBar:
     """tqdm over the run's requests (``leave``, ``disable``: tqdm's)."""
+
+    wants_rounds = False  # on_round_end is not needed after every round
 
     def __init__(self, leave: bool = True, disable: bool | None = False) -> None:
         self.leave = leave
@@ -61,3 +65,9 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+    def on_request_start(self, request: Request) -> None:
+        pass
+
+    def on_round_end(self, request: Request, event: dict[str, int]) -> None:
+        pass

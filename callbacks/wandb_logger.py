@@ -27,10 +27,13 @@ from specflow.metrics import (
     flatten_summary,
     ordered_columns,
 )
+from specflow.workload import Request
 
 
 class WandbLogger:
     """Logs a run to wandb (see module doc); arguments are ``wandb.init``'s."""
+
+    wants_rounds = False  # on_round_end is not needed after every round
 
     def __init__(
         self,
@@ -115,6 +118,10 @@ class WandbLogger:
         if not paths:
             paths = make_plots(summary, run_records(folder, self.records), folder)
         if paths:
-            self.run.log(
-                {f"plots/{p.stem}": wandb.Image(str(p)) for p in paths}, step=self.step
-            )
+            self.run.log({f"plots/{p.stem}": wandb.Image(str(p)) for p in paths}, step=self.step)
+
+    def on_request_start(self, request: Request) -> None:
+        pass
+
+    def on_round_end(self, request: Request, event: dict[str, int]) -> None:
+        pass

@@ -21,14 +21,15 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from specflow.acceptance import StandardAcceptor
 from specflow.baselines import BaselineCache, machine_description
 from specflow.engine import Generation, SpeculativePipeline
-from specflow.errors import SpecflowError
+from specflow.errors import ConfigError, SpecflowError
 from specflow.records import generation_metrics, percentile, task_scores
 from specflow.results import RunFolder, summarize
 from specflow.scheduler import BatchResult, Scheduler, SeqRequest
@@ -52,13 +53,18 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+@runtime_checkable
 class RunCallback(Protocol):
-    """Hooks a callback may implement (all optional; see ``callbacks/``).
+    """What the runner calls on every callback (see ``callbacks/``; a hook a callback does
+    not need is a no-op there).
 
     ``meta`` carries ``output_dir`` (the run folder) so loggers can write from the start.
     ``on_run_end`` is always called, also when the run crashes (``summary["complete"]`` is
-    then false), and one callback failing there does not stop the others.
+    then false), and one callback failing there does not stop the others.  ``on_round_end``
+    is called after every round only for callbacks whose ``wants_rounds`` is true.
     """
+
+    wants_rounds: bool
 
     def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None: ...
 
@@ -76,7 +82,7 @@ def build_prompt(
     tokenizer: Tokenizer, messages: list[dict[str, str]], settings: RunSettings
 ) -> list[int]:
     """Token ids of a conversation ending with a user turn, ready for the answer."""
-    if settings.use_chat_template and getattr(tokenizer, "chat_template", None):
+    if settings.use_chat_template and tokenizer.chat_template:
         msgs = messages
         if settings.system_prompt:
             msgs = [{"role": "system", "content": settings.system_prompt}, *messages]
@@ -124,7 +130,14 @@ class Runner:
         self.tokenizer = tokenizer
         self.settings = settings
         self.sampling = sampling
-        self.callbacks = callbacks or []
+        self.callbacks: list[RunCallback] = list(callbacks or [])
+        for cb in self.callbacks:
+            if not isinstance(cb, RunCallback):
+                raise ConfigError(
+                    f"callback {type(cb).__name__} is not a run callback: it needs "
+                    f"wants_rounds and on_run_start, on_request_start, on_round_end, "
+                    f"on_request_end, on_run_end (see specflow.runner.RunCallback)"
+                )
         cache_root = Path(
             settings.cache_dir
             or os.environ.get("SPECFLOW_CACHE")
@@ -135,29 +148,26 @@ class Runner:
         self._batch: dict[str, Any] = {}  # the batch section of the summary, as measured
 
     # ---------------------------------------------------------------- callbacks
-    def _emit(self, hook: str, *args: Any, safe: bool = False) -> None:
-        """Call ``hook`` on every callback having it; ``safe``: log errors, call them all."""
+    def _each(self, call: Callable[[RunCallback], None], safe: bool = False) -> None:
+        """``call(cb)`` for every callback; ``safe``: log a failure and go on with the others."""
         for cb in self.callbacks:
-            fn = getattr(cb, hook, None)
-            if fn is None:
-                continue
             if not safe:
-                fn(*args)
+                call(cb)
                 continue
             try:
-                fn(*args)
+                call(cb)
             except Exception:  # noqa: BLE001 - every logger must get to finish
-                log.exception("callback %s.%s failed", type(cb).__name__, hook)
+                log.exception("callback %s failed", type(cb).__name__)
 
-    def _round_hook(self) -> Any:
+    def _round_hook(self) -> Callable[[SeqRequest, dict[str, int]], None] | None:
         """``on_round(seq_request, event)`` for the scheduler when a callback wants rounds."""
-        hooks = [cb.on_round_end for cb in self.callbacks if hasattr(cb, "on_round_end")]
-        if not hooks:
+        wanted = [cb for cb in self.callbacks if cb.wants_rounds]
+        if not wanted:
             return None
 
         def on_round(seq: SeqRequest, event: dict[str, int]) -> None:
-            for hook in hooks:
-                hook(seq.tag.request, event)
+            for cb in wanted:
+                cb.on_round_end(seq.tag.request, event)
 
         return on_round
 
@@ -335,7 +345,7 @@ class Runner:
         }
         complete = False
         try:
-            self._emit("on_run_start", meta, len(todo))
+            self._each(lambda cb: cb.on_run_start(meta, len(todo)))
             self.decode_requests(todo, folder)
             complete = True
         finally:
@@ -346,7 +356,7 @@ class Runner:
             try:
                 folder.write_summary(summary)
             finally:
-                self._emit("on_run_end", summary, folder.path, safe=True)
+                self._each(lambda cb: cb.on_run_end(summary, folder.path), safe=True)
         return summary
 
     def decode_requests(self, todo: list[Request], folder: RunFolder) -> None:
@@ -372,7 +382,7 @@ class Runner:
         base_tokens = method_tokens = 0
         for chunk in chunks:
             for r in chunk:
-                self._emit("on_request_start", r)
+                self._each(lambda cb, r=r: cb.on_request_start(r))
             base_turns = None
             if base is not None:
                 base_turns = self._decode(base, chunk, cache=True)
@@ -382,7 +392,7 @@ class Runner:
             def on_request(req: Request, turns: list[TurnResult], bt: Any = base_turns) -> None:
                 record = self._record(req, turns, bt[req.request_id] if bt is not None else None)
                 folder.append(record)
-                self._emit("on_request_end", record)
+                self._each(lambda cb: cb.on_request_end(record))
 
             self._decode(method, chunk, on_request=on_request, on_round=on_round)
             method_wall += method.stats.wall_s

@@ -24,6 +24,7 @@ from callbacks.progress import ProgressBar
 from callbacks.sweep import SUMMARY_CSV, SweepSummary, objective
 from specflow import compare
 from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
 from specflow.metrics import flatten_record, flatten_summary
 from specflow.results import RunFolder, read_records, summarize
 from specflow.runner import Runner
@@ -318,7 +319,28 @@ def _crashing_pipeline(lm) -> SpeculativePipeline:
     return SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=_CrashingDrafter())
 
 
-class _Recorder:
+class _Hooks:
+    """Every ``RunCallback`` hook as a no-op (the stubs below override what they record)."""
+
+    wants_rounds = False
+
+    def on_run_start(self, meta, num_requests) -> None:
+        pass
+
+    def on_request_start(self, request) -> None:
+        pass
+
+    def on_round_end(self, request, event) -> None:
+        pass
+
+    def on_request_end(self, record) -> None:
+        pass
+
+    def on_run_end(self, summary, folder) -> None:
+        pass
+
+
+class _Recorder(_Hooks):
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.summary: dict[str, Any] | None = None
@@ -472,7 +494,7 @@ def test_compare_rejects_a_non_run_folder(tmp_path, capsys):
     assert "not a run folder" in capsys.readouterr().err
 
 
-class _Broken:
+class _Broken(_Hooks):
     def on_run_end(self, summary, folder) -> None:
         raise RuntimeError("logger bug")
 
@@ -488,3 +510,32 @@ def test_a_failing_logger_does_not_stop_the_others(tmp_path, tiny_target):
     assert summary["complete"] is True
     assert recorder.calls == ["start", "q0", "end"]
     assert summary["output_dir"] == str(folder.path.resolve())
+
+
+class _Rounds(_Hooks):
+    wants_rounds = True
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, int]]] = []
+
+    def on_round_end(self, request, event) -> None:
+        self.events.append((request.request_id, event))
+
+
+def test_round_hooks_reach_callbacks_that_want_them(tmp_path, tiny_target):
+    rounds, recorder = _Rounds(), _Recorder()
+    pipe = SpeculativePipeline(FullVerifier(tiny_target[1]), ExactAcceptor())
+    settings = RunSettings(max_new_tokens=5, warmup=False, baseline=False)
+    runner = Runner(pipe, _Tok(), settings, SamplingParams(), [rounds, recorder])
+    runner.run([Request("q0", "qa", ("hi",))], RunFolder(tmp_path, resume=False), {"method": "a"})
+    record = RunFolder(tmp_path, resume=True).records[0]
+    assert [e["round"] for _, e in rounds.events] == list(range(1, record["metrics"]["rounds"] + 1))
+    assert {rid for rid, _ in rounds.events} == {"q0"} and sum(
+        e["committed"] for _, e in rounds.events
+    ) >= record["turns"][0]["new_tokens"]
+
+
+def test_an_object_that_is_not_a_callback_is_refused(tiny_target):
+    pipe = SpeculativePipeline(FullVerifier(tiny_target[1]), ExactAcceptor())
+    with pytest.raises(ConfigError, match="callback object is not a run callback"):
+        Runner(pipe, _Tok(), RunSettings(), SamplingParams(), [object()])

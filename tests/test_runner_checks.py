@@ -132,8 +132,22 @@ def test_a_cached_baseline_is_re_timed_and_drift_reported(tiny_target, tmp_path,
 
 
 class _Ends:
+    wants_rounds = False
+
     def __init__(self) -> None:
         self.ended = 0
+
+    def on_run_start(self, meta, num_requests) -> None:
+        pass
+
+    def on_request_start(self, request) -> None:
+        pass
+
+    def on_round_end(self, request, event) -> None:
+        pass
+
+    def on_request_end(self, record) -> None:
+        pass
 
     def on_run_end(self, summary, folder) -> None:
         self.ended += 1
