@@ -69,3 +69,19 @@ def test_bad_vocab_subset_fails_clearly(tiny_drafter):
     _, lm = tiny_drafter
     with pytest.raises(ConfigError, match="drafter.vocab_subset must be >= 1 or null, got 0"):
         ModelDrafter(lm, vocab_subset=0)
+
+
+def test_vocab_subsets_per_request_at_batch_three(tiny_target, tiny_drafter):
+    """Each request drafts over its own subset (its prompt's tokens); batched, paged KV."""
+    from specflow.models.stores import KVLayout
+    from specflow.scheduler import Scheduler, SeqRequest
+
+    hf, lm = tiny_target
+    prompts = [[1, 5, 9, 17, 33, 5, 9], [100, 101, 102, 100, 101], [60, 61, 62]]
+    drafter = ModelDrafter(tiny_drafter[1], k=4, vocab_subset=16)
+    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
+    sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=64)
+    res = sched.generate([SeqRequest(p, 30, tag=i) for i, p in enumerate(prompts)])
+    got = {r.request.tag: r.generation for r in res}
+    assert [got[i].tokens for i in range(3)] == [hf_greedy(hf, p, 30) for p in prompts]
+    assert all(got[i].stats.drafted > 0 for i in range(3))
