@@ -125,7 +125,8 @@ def draft_with_model(
         full = [j for j, i in enumerate(active) if subvocabs[i] is None]
         logits: list[torch.Tensor | None] = [None] * len(active)
         if full:
-            rows = model.head(torch.cat([hidden[j] for j in full]), exit_layer).cpu()  # [F, V]
+            h = hidden[full[0]] if len(full) == 1 else torch.cat([hidden[j] for j in full])
+            rows = model.head(h, exit_layer).cpu()  # [F, V]
             for r, j in enumerate(full):
                 logits[j] = rows[r : r + 1]
         still = []

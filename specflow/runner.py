@@ -194,15 +194,24 @@ class Runner:
         while len(conv.turns) < len(conv.request.turns):
             conv.messages.append({"role": "user", "content": conv.request.turns[len(conv.turns)]})
             prompt = build_prompt(self.tokenizer, conv.messages, s)
-            key = self.baseline_cache.key(
-                self.pipeline, prompt, s.max_new_tokens, self.sampling, s.seed
-            )
-            hit = self.baseline_cache.get(key) if cache else None
+            hit = self._cached_baseline(prompt) if cache else None
             if hit is None:
                 return SeqRequest(prompt, s.max_new_tokens, s.seed, tag=conv)
             gen = Generation(hit["tokens"], RoundStats(), StageTimes(), hit["total_s"], "cached")
             self._finish_turn(conv, TurnResult(prompt, gen, cached=True))
         return None
+
+    def _baseline_key(self, prompt: list[int]) -> str:
+        s = self.settings
+        return self.baseline_cache.key(
+            self.pipeline, prompt, s.max_new_tokens, self.sampling, s.seed
+        )
+
+    def _cached_baseline(self, prompt: list[int]) -> dict[str, Any] | None:
+        """The baseline of ``prompt`` from the cache (no key is computed when it is off)."""
+        if self.baseline_cache.directory is None:
+            return None
+        return self.baseline_cache.get(self._baseline_key(prompt))
 
     def _finish_turn(self, conv: _Conversation, turn: TurnResult) -> None:
         conv.turns.append(turn)
@@ -219,7 +228,6 @@ class Runner:
     ) -> dict[str, list[TurnResult]]:
         """Every conversation, turn by turn; ``request_id -> turns``.  ``on_request(request,
         turns)`` is called as soon as a conversation's last turn ends."""
-        s = self.settings
         done: dict[str, list[TurnResult]] = {}
 
         def finished(conv: _Conversation) -> None:
@@ -232,11 +240,9 @@ class Runner:
             turn = TurnResult(result.request.prompt, result.generation, result.queued_s)
             self._finish_turn(conv, turn)
             if cache and self.baseline_cache.directory is not None:
-                key = self.baseline_cache.key(
-                    self.pipeline, turn.prompt, s.max_new_tokens, self.sampling, s.seed
-                )
                 self.baseline_cache.put(
-                    key, {"tokens": turn.generation.tokens, "total_s": turn.generation.total_s}
+                    self._baseline_key(turn.prompt),
+                    {"tokens": turn.generation.tokens, "total_s": turn.generation.total_s},
                 )
             follow = self._next_turn(conv, cache)
             if follow is None:
@@ -421,10 +427,7 @@ class Runner:
         faster than when the cache was filled would skew every cached speedup."""
         s = self.settings
         prompt = build_prompt(self.tokenizer, [{"role": "user", "content": request.turns[0]}], s)
-        key = self.baseline_cache.key(
-            self.pipeline, prompt, s.max_new_tokens, self.sampling, s.seed
-        )
-        hit = self.baseline_cache.get(key)
+        hit = self._cached_baseline(prompt)
         if hit is None or not hit["total_s"]:
             return
         (fresh,) = base.generate([SeqRequest(prompt, s.max_new_tokens, s.seed)], self.sampling)

@@ -231,8 +231,9 @@ class Scheduler:
                     )
                 break
             queue.popleft()
-            for lm in self.models:  # open (paged: promise the blocks of) every session now
-                state.session(lm)
+            if self.kv.layout.kind == "paged":  # promise its blocks in every pool now
+                for lm in self.models:
+                    state.session(lm)
             now = self.clock()
             stop = req.stop_token_ids
             stop_ids = set(self.pipeline.info.eos_token_ids if stop is None else stop)

@@ -78,3 +78,36 @@ def two_token_law(lm, prompt: list[int], sampling) -> dict[tuple[int, int], floa
         for t2 in p2.nonzero().flatten().tolist():
             law[(t1, t2)] = float(p1[t1] * p2[t2])
     return law
+
+
+class CharTokenizer:
+    """A tokenizer for runner tests: one id per character, no chat template."""
+
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 50 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+class NoopCallback:
+    """Every ``RunCallback`` hook as a no-op (test callbacks override what they record)."""
+
+    wants_rounds = False
+
+    def on_run_start(self, meta, num_requests) -> None:
+        pass
+
+    def on_request_start(self, request) -> None:
+        pass
+
+    def on_round_end(self, request, event) -> None:
+        pass
+
+    def on_request_end(self, record) -> None:
+        pass
+
+    def on_run_end(self, summary, folder) -> None:
+        pass

@@ -33,6 +33,7 @@ from specflow.state import Draft, SamplingParams
 from specflow.workload import Request
 from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
+from tests.conftest import CharTokenizer, NoopCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -278,16 +279,6 @@ def test_wandb_finishes_even_when_logging_fails(tmp_path, monkeypatch, records, 
 # --- a crashing run ---------------------------------------------------------------------------
 
 
-class _Tok:
-    chat_template = None
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) % 50 for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
-
-
 class _CrashingDrafter:
     """Drafts nothing useful for the first request; raises on the second one's first round."""
 
@@ -319,28 +310,7 @@ def _crashing_pipeline(lm) -> SpeculativePipeline:
     return SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=_CrashingDrafter())
 
 
-class _Hooks:
-    """Every ``RunCallback`` hook as a no-op (the stubs below override what they record)."""
-
-    wants_rounds = False
-
-    def on_run_start(self, meta, num_requests) -> None:
-        pass
-
-    def on_request_start(self, request) -> None:
-        pass
-
-    def on_round_end(self, request, event) -> None:
-        pass
-
-    def on_request_end(self, record) -> None:
-        pass
-
-    def on_run_end(self, summary, folder) -> None:
-        pass
-
-
-class _Recorder(_Hooks):
+class _Recorder(NoopCallback):
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.summary: dict[str, Any] | None = None
@@ -360,7 +330,7 @@ def test_crashing_run_finishes_loggers_and_keeps_requests(tmp_path, tiny_target)
     recorder, jsonl, csv_cb = _Recorder(), JsonlLogger(), CsvLogger()
     settings = RunSettings(max_new_tokens=3, warmup=False, baseline=False,
                            baseline_cache=False, cache_dir=str(tmp_path / "cache"))
-    runner = Runner(_crashing_pipeline(tiny_target[1]), _Tok(), settings,
+    runner = Runner(_crashing_pipeline(tiny_target[1]), CharTokenizer(), settings,
                     SamplingParams(0.0, 0, 1.0), [recorder, jsonl, csv_cb])
     requests = [Request(f"q{i}", "writing", (f"prompt {i}",)) for i in range(3)]
     folder = RunFolder(tmp_path / "run", resume=False)
@@ -494,7 +464,7 @@ def test_compare_rejects_a_non_run_folder(tmp_path, capsys):
     assert "not a run folder" in capsys.readouterr().err
 
 
-class _Broken(_Hooks):
+class _Broken(NoopCallback):
     def on_run_end(self, summary, folder) -> None:
         raise RuntimeError("logger bug")
 
@@ -503,7 +473,7 @@ def test_a_failing_logger_does_not_stop_the_others(tmp_path, tiny_target):
     recorder = _Recorder()
     settings = RunSettings(max_new_tokens=3, warmup=False, baseline=False,
                            baseline_cache=False, cache_dir=str(tmp_path / "cache"))
-    runner = Runner(_crashing_pipeline(tiny_target[1]), _Tok(), settings,
+    runner = Runner(_crashing_pipeline(tiny_target[1]), CharTokenizer(), settings,
                     SamplingParams(0.0, 0, 1.0), [_Broken(), recorder])
     folder = RunFolder(tmp_path / "run", resume=False)
     summary = runner.run([Request("q0", "writing", ("hi",))], folder, {"method": "stub"})
@@ -512,7 +482,7 @@ def test_a_failing_logger_does_not_stop_the_others(tmp_path, tiny_target):
     assert summary["output_dir"] == str(folder.path.resolve())
 
 
-class _Rounds(_Hooks):
+class _Rounds(NoopCallback):
     wants_rounds = True
 
     def __init__(self) -> None:
@@ -526,7 +496,7 @@ def test_round_hooks_reach_callbacks_that_want_them(tmp_path, tiny_target):
     rounds, recorder = _Rounds(), _Recorder()
     pipe = SpeculativePipeline(FullVerifier(tiny_target[1]), ExactAcceptor())
     settings = RunSettings(max_new_tokens=5, warmup=False, baseline=False)
-    runner = Runner(pipe, _Tok(), settings, SamplingParams(), [rounds, recorder])
+    runner = Runner(pipe, CharTokenizer(), settings, SamplingParams(), [rounds, recorder])
     runner.run([Request("q0", "qa", ("hi",))], RunFolder(tmp_path, resume=False), {"method": "a"})
     record = RunFolder(tmp_path, resume=True).records[0]
     assert [e["round"] for _, e in rounds.events] == list(range(1, record["metrics"]["rounds"] + 1))
@@ -538,4 +508,4 @@ def test_round_hooks_reach_callbacks_that_want_them(tmp_path, tiny_target):
 def test_an_object_that_is_not_a_callback_is_refused(tiny_target):
     pipe = SpeculativePipeline(FullVerifier(tiny_target[1]), ExactAcceptor())
     with pytest.raises(ConfigError, match="callback object is not a run callback"):
-        Runner(pipe, _Tok(), RunSettings(), SamplingParams(), [object()])
+        Runner(pipe, CharTokenizer(), RunSettings(), SamplingParams(), [object()])

@@ -27,7 +27,7 @@ from specflow.workload import Request
 from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.pld_drafter import PLDDrafter
-from tests.conftest import hf_greedy
+from tests.conftest import CharTokenizer, hf_greedy
 
 MAX_NEW = 30
 
@@ -222,16 +222,6 @@ def test_pool_too_small_waits_then_fails_clearly(tiny_target):
 # ---------------------------------------------------------------------------- runner
 
 
-class _Tok:
-    chat_template = None
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) % 50 for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
-
-
 @pytest.mark.parametrize("kv_layout", ["contiguous", "paged"])
 def test_batch_runner_records_and_summary(tiny_target, tmp_path, kv_layout):
     _, target = tiny_target
@@ -239,7 +229,7 @@ def test_batch_runner_records_and_summary(tiny_target, tmp_path, kv_layout):
     settings = RunSettings(
         max_new_tokens=12, baseline_cache=False, batch_size=2, kv_layout=kv_layout
     )
-    runner = Runner(pipe, _Tok(), settings, SamplingParams())
+    runner = Runner(pipe, CharTokenizer(), settings, SamplingParams())
     requests = [
         Request("a", "qa", ("abcabcabc",)),
         Request("b", "mt_bench", ("hello there", "and again")),

@@ -20,6 +20,7 @@ from specflow.workload import Request
 from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.pld_drafter import PLDDrafter
+from tests.conftest import CharTokenizer, NoopCallback
 from tests.test_configs import _compose, deep_tiny, tiny_models  # noqa: F401 - fixtures
 
 
@@ -72,23 +73,13 @@ def test_table_header_cells_are_separated():
     )
 
 
-class _Tok:
-    chat_template = None
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) % 50 for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
-
-
 def _pld(lm) -> SpeculativePipeline:
     return SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=PLDDrafter(k=4))
 
 
 def test_a_prompt_too_long_names_the_real_budget(tiny_target, tmp_path):
     _, lm = tiny_target  # 512 positions
-    runner = Runner(_pld(lm), _Tok(), RunSettings(max_new_tokens=100), SamplingParams())
+    runner = Runner(_pld(lm), CharTokenizer(), RunSettings(max_new_tokens=100), SamplingParams())
     request = Request("long", "qa", ("x" * 450,))
     with pytest.raises(PromptTooLongError, match=r"request long: .*max_new_tokens=100 .*<= 62"):
         runner.run([request], RunFolder(tmp_path, resume=False), {"method": "pld"})
@@ -98,7 +89,7 @@ def test_the_baseline_is_side_by_side_by_default(tiny_target, tmp_path):
     _, lm = tiny_target
     settings = RunSettings(max_new_tokens=8, warmup=False, cache_dir=str(tmp_path / "cache"))
     assert settings.baseline_cache is False
-    runner = Runner(_pld(lm), _Tok(), settings, SamplingParams())
+    runner = Runner(_pld(lm), CharTokenizer(), settings, SamplingParams())
     summary = runner.run(
         [Request("a", "qa", ("abcabc",))], RunFolder(tmp_path / "run", False), {"method": "p"}
     )
@@ -114,7 +105,7 @@ def test_a_cached_baseline_is_re_timed_and_drift_reported(tiny_target, tmp_path,
         max_new_tokens=8, warmup=False, baseline_cache=True, cache_dir=str(tmp_path / "cache")
     )
     requests = [Request("a", "qa", ("abcabc",))]
-    Runner(_pld(lm), _Tok(), settings, SamplingParams()).run(
+    Runner(_pld(lm), CharTokenizer(), settings, SamplingParams()).run(
         requests, RunFolder(tmp_path / "r1", False), {"method": "p"}
     )
     (entry,) = (tmp_path / "cache" / "baselines").glob("*.json")
@@ -122,7 +113,7 @@ def test_a_cached_baseline_is_re_timed_and_drift_reported(tiny_target, tmp_path,
     cached["total_s"] *= 1000.0  # as if the cache was filled on a far slower machine
     entry.write_text(json.dumps(cached))
     with caplog.at_level(logging.WARNING, logger="specflow.runner"):
-        summary = Runner(_pld(lm), _Tok(), settings, SamplingParams()).run(
+        summary = Runner(_pld(lm), CharTokenizer(), settings, SamplingParams()).run(
             requests, RunFolder(tmp_path / "r2", False), {"method": "p"}
         )
     assert summary["batch"]["baseline_drift"] < 0.01
@@ -131,23 +122,9 @@ def test_a_cached_baseline_is_re_timed_and_drift_reported(tiny_target, tmp_path,
     assert record["metrics"]["baseline_cached"] is True
 
 
-class _Ends:
-    wants_rounds = False
-
+class _Ends(NoopCallback):
     def __init__(self) -> None:
         self.ended = 0
-
-    def on_run_start(self, meta, num_requests) -> None:
-        pass
-
-    def on_request_start(self, request) -> None:
-        pass
-
-    def on_round_end(self, request, event) -> None:
-        pass
-
-    def on_request_end(self, record) -> None:
-        pass
 
     def on_run_end(self, summary, folder) -> None:
         self.ended += 1
@@ -157,7 +134,7 @@ def test_on_run_end_runs_even_when_writing_the_summary_fails(tiny_target, tmp_pa
     _, lm = tiny_target
     ends = _Ends()
     settings = RunSettings(max_new_tokens=4, warmup=False, baseline=False)
-    runner = Runner(_pld(lm), _Tok(), settings, SamplingParams(), [ends])
+    runner = Runner(_pld(lm), CharTokenizer(), settings, SamplingParams(), [ends])
     folder = RunFolder(tmp_path, resume=False)
 
     def disk_full(summary):

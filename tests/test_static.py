@@ -26,14 +26,8 @@ from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
 from stages.pld_drafter import PLDDrafter
 from tests.conftest import hf_greedy
+from tests.test_one_engine import PROMPTS
 
-PROMPTS = [
-    [1, 5, 9, 17, 33, 5, 9],
-    [3, 4, 5, 6, 7, 8, 3, 4, 5, 6],
-    [2],
-    [7, 7, 7, 7, 7, 7],
-    [11, 12, 13, 14, 11, 12, 13, 14, 11, 12],
-]
 MAX_NEW = 24
 
 
