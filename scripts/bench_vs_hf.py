@@ -10,8 +10,9 @@ Pairs measured side by side, interleaved per prompt (so machine drift hits all e
 plus ours with the adaptive draft length.  Every run decodes greedily until EOS (the same
 EOS ids for everybody) or --max-new-tokens, so all methods produce the same tokens (checked
 and printed).  tokens/s of a method in one repeat = all its new tokens / all its seconds;
-the table shows the median over repeats and ratios of medians.  HF runs on a separately
-loaded, untouched copy of each model (``--shared-hf`` reuses specflow's, to save memory).
+the table shows the median over repeats and ratios of medians.  HF runs on untouched
+weights: specflow's own HF module when specflow packed its weights (the CPU fp32 default),
+else a separately loaded copy (``--shared-hf`` reuses specflow's, to save memory).
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ from stages.pld_drafter import PLDDrafter  # noqa: E402
 
 
 def hf_copy(name: str, shared: bool):
+    """The HF model HF ``generate`` runs: a separately loaded copy, unless ``shared`` or
+    specflow's model is packed (then specflow never touched the HF tensors: they keep HF's
+    own layout, and a second copy would only cost memory)."""
     loaded = load_model(name)
-    if shared:
+    if shared or getattr(loaded.lm, "packed", False):
         return loaded.hf_model
     from transformers import AutoModelForCausalLM
 

@@ -52,6 +52,7 @@ def _run(cfg: DictConfig, out: Path) -> dict[str, Any]:
         dtype=cfg.model.dtype,
         backend=cfg.model.backend,
         trust_remote_code=cfg.model.trust_remote_code,
+        packed_weights=cfg.model.packed_weights,
     )
     workload = instantiate_checked("workload", cfg.workload)
     callbacks = [

@@ -93,8 +93,10 @@ def test_full_forward_matches_hf(arch, overrides):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_weights_are_shared_with_hf(arch):
-    hf, lm = native(arch)
+def test_unpacked_weights_are_shared_with_hf(arch):
+    hf = tiny_hf_model(arch, num_layers=N_LAYERS)
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, f"tiny-{arch}"), packed=False)
+    assert not lm.packed
     attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
     ptr = lm.layers[1].wqkv.untyped_storage().data_ptr()
     for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
@@ -106,6 +108,47 @@ def test_weights_are_shared_with_hf(arch):
     assert lm.embed_weight.untyped_storage().data_ptr() == emb
     tied = lm.lm_head.untyped_storage().data_ptr() == emb
     assert tied == (arch == "qwen2")  # tiny llama unties, tiny qwen2 ties
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_weights_leave_hf_untouched(arch):
+    """Packed (the CPU fp32 default): the matrices are oneDNN copies holding exactly the HF
+    weights, the HF tensors keep their storage and layout, and the logits agree with the
+    unpacked model (same greedy tokens)."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    from specflow.models.native import dense
+
+    hf = tiny_hf_model(arch, num_layers=N_LAYERS)
+    attn = hf.model.layers[1].self_attn
+    before = {n: (p.data_ptr(), p.stride()) for n, p in hf.named_parameters()}
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, f"tiny-{arch}"))
+    assert lm.packed and lm.layers[1].wqkv.is_mkldnn and lm.head_weight.is_mkldnn
+    assert {n: (p.data_ptr(), p.stride()) for n, p in hf.named_parameters()} == before
+    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(dense(lm.layers[1].wqkv), qkv)
+    assert torch.equal(dense(lm.head_weight), hf.lm_head.weight)
+    tokens = random_tokens(24, seed=2)
+    plain = NativeLM.from_hf(
+        tiny_hf_model(arch, num_layers=N_LAYERS), tiny_model_info(hf, arch), packed=False
+    )
+    outs = []
+    for model in (lm, plain):
+        s = ModelSession(model, 32)
+        s.set_tokens(tokens)
+        outs.append(s.logits(N_LAYERS, 0, 24))
+    assert_close(outs[0], outs[1], atol=1e-5)
+    assert outs[0].argmax(-1).tolist() == outs[1].argmax(-1).tolist()
+    # Placed elsewhere (here: bfloat16 on the CPU, which oneDNN packing does not cover),
+    # the copy is dense again.
+    bf16 = lm.to("cpu", torch.bfloat16)
+    assert not bf16.packed and bf16.layers[1].wqkv.dtype == torch.bfloat16
+
+
+def test_packed_weights_refused_where_unavailable():
+    hf = tiny_hf_model("qwen2", num_layers=N_LAYERS).to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="packed_weights=false"):
+        NativeLM.from_hf(hf, tiny_model_info(hf, "tiny"), packed=True)
 
 
 # ---------------------------------------------------------------- (b) session blocks

@@ -4,9 +4,9 @@
     loaded = load_model("/path/to/hf_folder")          # config.json + safetensors, or a .gguf
     loaded.lm.head(...), loaded.tokenizer, loaded.info
 
-Models are cached in-process by (name, dtype, backend): two stages naming the same model
-share one instance.  ``backend="auto"`` picks the native layered implementation when it
-supports the architecture and the HF-backed one otherwise.
+Models are cached in-process by (name, dtype, backend, packed_weights): two stages naming
+the same model share one instance.  ``backend="auto"`` picks the native layered
+implementation when it supports the architecture and the HF-backed one otherwise.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class LoadedModel:
     info: ModelInfo
 
 
-_MODELS: dict[tuple[str, str, str], LoadedModel] = {}
+_MODELS: dict[tuple[str, str, str, bool | None], LoadedModel] = {}
 _TOKENIZER_FPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -230,7 +230,9 @@ def _load_source(value: str, kwargs: dict[str, Any], cache_dir: str | Path | Non
                          f"hub could not provide it: {str(err).splitlines()[0]}") from None
 
 
-def _make_lm(hf_model: Any, info: ModelInfo, backend: str) -> LayeredLM:
+def _make_lm(
+    hf_model: Any, info: ModelInfo, backend: str, packed_weights: bool | None
+) -> LayeredLM:
     if backend == "hf":
         from specflow.models.hf_backend import HFBackendLM
 
@@ -242,7 +244,7 @@ def _make_lm(hf_model: Any, info: ModelInfo, backend: str) -> LayeredLM:
     if ok:
         log.info("%s: native layered backend (%s)", info.name,
                  reason or f"model_type {hf_model.config.model_type!r} supported")
-        return NativeLM.from_hf(hf_model, info)
+        return NativeLM.from_hf(hf_model, info, packed=packed_weights)
     if backend == "native":
         raise ConfigError(
             f"backend='native' cannot run {info.name!r}: {reason}; use backend='hf' or 'auto'"
@@ -260,6 +262,7 @@ def load_model(
     backend: str = "auto",
     trust_remote_code: bool = False,
     cache_dir: str | Path | None = None,
+    packed_weights: bool | None = None,
 ) -> LoadedModel:
     """Load a model as a ``LoadedModel`` (cached in-process by name, dtype and backend).
 
@@ -273,6 +276,9 @@ def load_model(
         trust_remote_code: passed to transformers; leave False unless you trust the source.
         cache_dir: the specflow cache for registry models (default ``$SPECFLOW_CACHE`` or
             ``~/.cache/specflow``).
+        packed_weights: native backend: multiply with oneDNN-packed copies of the weights
+            (``NativeLM`` doc; faster on CPU, extra memory about the model's size).  ``None``:
+            packed on a CPU in float32 when this torch has oneDNN.
 
     Raises:
         ModelNotFoundError: the value resolves to nothing loadable (the message lists the
@@ -285,7 +291,7 @@ def load_model(
         raise ConfigError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     path = Path(name_or_path).expanduser()
     name = name_or_path if name_or_path in REGISTRY or not path.exists() else str(path.resolve())
-    key = (name, dtype, backend)
+    key = (name, dtype, backend, packed_weights)
     if key in _MODELS:
         return _MODELS[key]
 
@@ -294,7 +300,7 @@ def load_model(
     hf_model.eval()
     hf_model.requires_grad_(False)
     info = build_model_info(name_or_path, hf_model, tokenizer)
-    lm = _make_lm(hf_model, info, backend)
+    lm = _make_lm(hf_model, info, backend, packed_weights)
     loaded = LoadedModel(lm=lm, tokenizer=tokenizer, hf_model=hf_model, info=info)
     _MODELS[key] = loaded
     return loaded

@@ -1,0 +1,97 @@
+"""Where a forward of T new tokens spends its time (issue 17's profile), per op.
+
+    python scripts/profile_step.py --model qwen2.5-coder-1.5b --context 300 --tokens 1,2,3,5,9
+
+For each T: a session holding ``--context`` positions runs a forward of T more positions
+(the verify of a draft of T-1 tokens; T = 1 is a plain decoding step), then rolls back.
+Prints the median wall time per T, its ratio to T = 1, and a torch.profiler breakdown
+(self CPU time per op, summed over the forward) so matmuls, attention, the LM head and
+everything else are separated.  Run it with nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("MKL_CBWR", "AUTO")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from specflow.models.loading import load_model  # noqa: E402
+from specflow.models.session import ModelSession  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--tokens", default="1,2,3,5,9")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--top", type=int, default=12, help="ops shown per breakdown")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument(
+        "--packed-weights", choices=["auto", "true", "false"], default="auto",
+        help="oneDNN-packed matrices (auto: on a CPU in float32)",
+    )
+    args = ap.parse_args()
+    counts = [int(t) for t in args.tokens.split(",")]
+
+    packed = {"auto": None, "true": True, "false": False}[args.packed_weights]
+    loaded = load_model(args.model, dtype=args.dtype, packed_weights=packed)
+    lm = loaded.lm
+    n_layers = lm.info.num_layers
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000  # ordinary token ids
+    prompt = torch.randint(100, vocab, (args.context + max(counts),), generator=gen).tolist()
+    sess = ModelSession(lm, args.context + max(counts) + 1)
+    sess.set_tokens(prompt[: args.context])
+    sess.hidden(n_layers, args.context - 1)
+
+    def step(t: int) -> None:
+        sess.set_tokens(prompt[: args.context + t - 1])
+        sess.logits(n_layers, args.context - 1, args.context + t - 1)
+        sess.set_tokens(prompt[: args.context - 1])  # back: positions < context-1 computed
+
+    for t in counts:  # warm-up
+        step(t)
+    times: dict[int, list[float]] = {t: [] for t in counts}
+    for _ in range(args.repeats):
+        for t in counts:  # interleaved
+            t0 = time.perf_counter()
+            step(t)
+            times[t].append(time.perf_counter() - t0)
+    base = statistics.median(times[counts[0]])
+    print(
+        f"{args.model} {args.dtype}, packed weights {getattr(lm, 'packed', False)}, context "
+        f"{args.context}, {torch.get_num_threads()} threads, median of {args.repeats}"
+    )
+    print(f"{'T':>3}{'ms':>10}{'vs T=' + str(counts[0]):>10}")
+    for t in counts:
+        med = statistics.median(times[t])
+        print(f"{t:>3}{med * 1e3:>10.1f}{med / base:>10.2f}")
+    if args.no_profile:
+        return
+    for t in counts:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(3):
+                step(t)
+        print(f"\n--- T = {t}: self CPU time per op (3 forwards), by op and input shapes")
+        print(
+            prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=28,
+                max_shapes_column_width=60,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
