@@ -46,11 +46,11 @@ from stages.model_drafter import ModelDrafter  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
 
 
-def hf_copy(name: str, shared: bool):
+def hf_copy(name: str, shared: bool, dtype: str = "float32"):
     """The HF model HF ``generate`` runs: a separately loaded copy, unless ``shared`` or
     specflow's model is packed (then specflow never touched the HF tensors: they keep HF's
     own layout, and a second copy would only cost memory)."""
-    loaded = load_model(name)
+    loaded = load_model(name, dtype=dtype)
     if shared or getattr(loaded.lm, "packed", False):
         return loaded.hf_model
     from transformers import AutoModelForCausalLM
@@ -58,15 +58,24 @@ def hf_copy(name: str, shared: bool):
     from specflow.models.prepare import prepared_dir
 
     path = prepared_dir(name) if (prepared_dir(name) / "config.json").exists() else name
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+    ap.add_argument(
+        "--drafter-dtype", default="float32",
+        help="the draft model's dtype, ours and HF's assistant alike (bfloat16: lossless, "
+        "the target verifies)",
+    )
     ap.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts (mixed categories)")
     ap.add_argument("--categories", nargs="*", default=None)
+    ap.add_argument(
+        "--per-category", type=int, default=None,
+        help="take this many prompts of each category (then --prompts caps the total)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="draft length of our sps")
@@ -82,13 +91,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     target = load_model(args.target)
-    drafter = load_model(args.drafter) if args.drafter else None
+    drafter = load_model(args.drafter, dtype=args.drafter_dtype) if args.drafter else None
     hf_target = hf_copy(args.target, args.shared_hf)
-    hf_drafter = hf_copy(args.drafter, args.shared_hf) if drafter else None
+    hf_drafter = hf_copy(args.drafter, args.shared_hf, args.drafter_dtype) if drafter else None
     tok = target.tokenizer
     eos = tuple(target.info.eos_token_ids)
 
-    requests = SpecBench(categories=args.categories, limit=args.prompts).requests()
+    requests = SpecBench(
+        categories=args.categories, limit=args.prompts, per_category=args.per_category
+    ).requests()
     settings = RunSettings()
     prompts = [
         build_prompt(tok, [{"role": "user", "content": r.turns[0]}], settings) for r in requests
@@ -157,6 +168,8 @@ def main() -> None:
 
     per_repeat: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
+    # per (method, prompt): [tokens, seconds] summed over repeats (the per-category tables)
+    per_prompt: dict[str, list[list[float]]] = {m: [[0, 0.0] for _ in prompts] for m in methods}
     for rep in range(args.repeats):
         tokens = dict.fromkeys(methods, 0)
         seconds = dict.fromkeys(methods, 0.0)
@@ -166,6 +179,8 @@ def main() -> None:
                 out, secs = methods[name](prompt)
                 tokens[name] += len(out)
                 seconds[name] += secs
+                per_prompt[name][i][0] += len(out)
+                per_prompt[name][i][1] += secs
                 if rep == 0:
                     outputs[name].append(out)
         for name in methods:
@@ -184,8 +199,9 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print(
-        f"target {args.target}, drafter {args.drafter}; {len(prompts)} Spec-Bench prompts "
-        f"({', '.join(r.category for r in requests)}), max_new_tokens {args.max_new_tokens}, "
+        f"target {args.target}, drafter {args.drafter} ({args.drafter_dtype}); "
+        f"{len(prompts)} Spec-Bench prompts ({', '.join(r.category for r in requests)}), "
+        f"max_new_tokens {args.max_new_tokens}, "
         f"greedy, median of {args.repeats} repeats"
     )
     print(f"{'method':<20}{'tokens/s':>10}{'vs ours_ar':>12}{'vs hf_ar':>10}{'same tokens':>13}")
@@ -196,6 +212,20 @@ def main() -> None:
             f"{med[m] / med['hf_ar'] if 'hf_ar' in med else float('nan'):>10.2f}"
             f"{same:>9}/{len(ref)}"
         )
+    categories = sorted({r.category for r in requests})
+    if len(categories) > 1:
+        print("\nper category: tokens/s (all its prompts and repeats) and x ours_ar")
+        print(f"{'method':<20}" + "".join(f"{c[:13]:>15}" for c in categories))
+
+        def rate(m: str, cat: str) -> float:
+            rows = [per_prompt[m][i] for i, r in enumerate(requests) if r.category == cat]
+            return sum(t for t, _ in rows) / sum(sec for _, sec in rows)
+
+        for m in methods:
+            cells = [
+                f"{rate(m, c):7.2f} {rate(m, c) / rate('ours_ar', c):5.2f}x" for c in categories
+            ]
+            print(f"{m:<20}" + "".join(f"{cell:>15}" for cell in cells))
     pairs = [
         ("ours_ar", "hf_ar"),
         ("ours_sps", "hf_sps"),
@@ -209,7 +239,19 @@ def main() -> None:
             print(f"{a} / {b} = {med[a] / med[b]:.2f}x")
     if args.out:
         Path(args.out).write_text(
-            json.dumps({"args": vars(args), "per_repeat": per_repeat, "median": med}, indent=2)
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "categories": [r.category for r in requests],
+                    "per_repeat": per_repeat,
+                    "median": med,
+                    "per_prompt": per_prompt,
+                    "same_tokens": {
+                        m: [a == b for a, b in zip(outputs[m], ref, strict=True)] for m in methods
+                    },
+                },
+                indent=2,
+            )
         )
 
 

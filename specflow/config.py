@@ -28,7 +28,7 @@ class ModelConfig:
     backend: str = "auto"  # auto | native | hf
     trust_remote_code: bool = False
     exit_heads: str | None = None  # trained exit heads: a path, or "default" (train_heads/)
-    # oneDNN-packed matrices (native backend): null = on a CPU in float32; false saves the
+    # oneDNN-packed matrices (native backend): null = on a CPU in fp32/bf16; false saves the
     # packed copy's memory (about the model's size) at the cost of slower small matmuls.
     packed_weights: bool | None = None
 

@@ -139,14 +139,15 @@ def test_packed_weights_leave_hf_untouched(arch):
         outs.append(s.logits(N_LAYERS, 0, 24))
     assert_close(outs[0], outs[1], atol=1e-5)
     assert outs[0].argmax(-1).tolist() == outs[1].argmax(-1).tolist()
-    # Placed elsewhere (here: bfloat16 on the CPU, which oneDNN packing does not cover),
-    # the copy is dense again.
+    # Placed in bfloat16 on the CPU the copy is packed again; in float16 (not packed) dense.
     bf16 = lm.to("cpu", torch.bfloat16)
-    assert not bf16.packed and bf16.layers[1].wqkv.dtype == torch.bfloat16
+    assert bf16.packed and dense(bf16.layers[1].wqkv).dtype == torch.bfloat16
+    fp16 = lm.to("cpu", torch.float16)
+    assert not fp16.packed and fp16.layers[1].wqkv.dtype == torch.float16
 
 
 def test_packed_weights_refused_where_unavailable():
-    hf = tiny_hf_model("qwen2", num_layers=N_LAYERS).to(torch.bfloat16)
+    hf = tiny_hf_model("qwen2", num_layers=N_LAYERS).to(torch.float16)
     with pytest.raises(ConfigError, match="packed_weights=false"):
         NativeLM.from_hf(hf, tiny_model_info(hf, "tiny"), packed=True)
 

@@ -278,7 +278,7 @@ def load_model(
             ``~/.cache/specflow``).
         packed_weights: native backend: multiply with oneDNN-packed copies of the weights
             (``NativeLM`` doc; faster on CPU, extra memory about the model's size).  ``None``:
-            packed on a CPU in float32 when this torch has oneDNN.
+            packed on a CPU in float32 or bfloat16 when this torch has oneDNN.
 
     Raises:
         ModelNotFoundError: the value resolves to nothing loadable (the message lists the
