@@ -41,6 +41,7 @@ from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
 from stages.draft_length import AdaptiveDraftLength  # noqa: E402
 from stages.exact_acceptor import ExactAcceptor  # noqa: E402
+from stages.fallback_drafter import FallbackDrafter  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
 from stages.model_drafter import ModelDrafter  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
@@ -126,6 +127,22 @@ def main() -> None:
             verifier,
             ExactAcceptor(),
             drafter=ModelDrafter(drafter.lm, k=args.k),
+            draft_length=AdaptiveDraftLength(),
+        )
+
+        def pld_then_model() -> FallbackDrafter:  # conf/drafter/pld_then_model.yaml
+            return FallbackDrafter(
+                PLDDrafter(k=args.pld_k, max_ngram=4, min_ngram=2),
+                ModelDrafter(drafter.lm, k=args.k),
+            )
+
+        ours["ours_pld_sps"] = SpeculativePipeline(
+            verifier, ExactAcceptor(), drafter=pld_then_model()
+        )
+        ours["ours_pld_sps_adaptive"] = SpeculativePipeline(
+            verifier,
+            ExactAcceptor(),
+            drafter=pld_then_model(),
             draft_length=AdaptiveDraftLength(),
         )
 
@@ -232,6 +249,9 @@ def main() -> None:
         ("ours_pld", "hf_pld"),
         ("ours_sps_adaptive", "hf_sps"),
         ("ours_pld_adaptive", "hf_pld"),
+        ("ours_pld_sps", "hf_sps"),
+        ("ours_pld_sps", "hf_pld"),
+        ("ours_pld_sps_adaptive", "hf_sps"),
     ]
     print()
     for a, b in pairs:

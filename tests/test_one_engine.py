@@ -19,6 +19,7 @@ from specflow.state import DecodeState, Draft, SamplingParams
 from stages.draft_length import AdaptiveDraftLength
 from stages.early_exit_verifier import EarlyExitVerifier
 from stages.exact_acceptor import ExactAcceptor
+from stages.fallback_drafter import FallbackDrafter
 from stages.fixed_selector import FixedSelector
 from stages.fly_acceptor import FlyAcceptor
 from stages.full_verifier import FullVerifier
@@ -81,6 +82,8 @@ def build(method: str, lm, draft_lm) -> SpeculativePipeline:
         return pipe(ModelDrafter(draft_lm, k=3))
     if method == "sps_pld":
         return pipe(pld_model())
+    if method == "pld_then_model":
+        return pipe(FallbackDrafter(PLDDrafter(k=5, min_ngram=2), ModelDrafter(draft_lm, k=3)))
     if method == "self_spec":
         return pipe(ModelDrafter(lm, k=3, exit_layer=2))
     if method == "hispec":
@@ -109,6 +112,7 @@ METHODS = [
     "pld",
     "sps",
     "sps_pld",
+    "pld_then_model",
     "self_spec",
     "hispec",
     "layer_skip",

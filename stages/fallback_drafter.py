@@ -1,0 +1,87 @@
+"""Drafter ``fallback``: a cheap drafter first, a second one only where the first has nothing.
+
+Each round, ``first`` (typically prompt lookup: free) proposes for every request; the
+requests whose draft has fewer than ``min_tokens`` tokens are handed, in one batched call,
+to ``then`` (typically a draft model).  So a request drafts for free while its output copies
+its context (summaries, retrieved passages, code edits) and pays for the model elsewhere.
+
+Lossless with any acceptor: the target verifies whichever draft a request got; a draft
+from ``first`` without distributions is one-hot (exact for prompt lookup).  The idle
+drafter's model session falls behind while ``first`` drafts and catches up on its next
+draft (timed apart, ``Draft.catchup_s``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specflow.errors import ConfigError
+from specflow.models.base import ModelInfo
+from specflow.protocols import Drafter, ModelUse
+from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
+
+
+class FallbackDrafter:
+    """``first``'s draft when it has at least ``min_tokens`` tokens, else ``then``'s.
+
+    Args:
+        first: the drafter asked first (its k caps its drafts).
+        then: the drafter asked for the requests ``first`` left short (its k caps them).
+        min_tokens: the shortest draft of ``first`` that is used.
+
+    ``k`` is the larger of the two drafters' k: a draft-length policy's choice ``ks[i]`` is
+    passed on, capped by each drafter's own k.
+    """
+
+    name = "fallback"
+
+    def __init__(self, first: Drafter, then: Drafter, min_tokens: int = 1) -> None:
+        if min_tokens < 1:
+            raise ConfigError(f"drafter.min_tokens must be >= 1, got {min_tokens}")
+        self.first = first
+        self.then = then
+        self.min_tokens = min_tokens
+        self.k = max(first.k, then.k)
+        # Per request: whether its draft of this round came from ``first``.
+        self._from_first: RequestLocal[list[bool]] = RequestLocal(lambda _state: [True])
+
+    def models(self) -> list[ModelInfo]:
+        return self.first.models() + self.then.models()
+
+    def uses(self) -> list[ModelUse]:
+        return self.first.uses() + self.then.uses()
+
+    def begin(self, states: list[DecodeState]) -> None:
+        self.first.begin(states)
+        self.then.begin(states)
+
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        drafts = self.first.propose(states, [min(k, self.first.k) for k in ks])
+        short = [i for i, d in enumerate(drafts) if d.k < self.min_tokens]
+        if short:
+            more = self.then.propose(
+                [states[i] for i in short], [min(ks[i], self.then.k) for i in short]
+            )
+            for i, draft in zip(short, more, strict=True):
+                drafts[i] = draft
+        handed_on = set(short)
+        for i, st in enumerate(states):
+            self._from_first.get(st)[0] = i not in handed_on
+        return drafts
+
+    def observe(
+        self,
+        states: list[DecodeState],
+        drafts: list[Draft],
+        target_logits: list[torch.Tensor],
+        verdicts: list[Acceptance],
+    ) -> None:
+        for drafter, from_first in ((self.first, True), (self.then, False)):
+            rows = [i for i, st in enumerate(states) if self._from_first.get(st)[0] is from_first]
+            if rows:
+                drafter.observe(
+                    [states[i] for i in rows],
+                    [drafts[i] for i in rows],
+                    [target_logits[i] for i in rows],
+                    [verdicts[i] for i in rows],
+                )
