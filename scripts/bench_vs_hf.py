@@ -71,7 +71,10 @@ def main() -> None:
         help="the draft model's dtype, ours and HF's assistant alike (bfloat16: lossless, "
         "the target verifies)",
     )
-    ap.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts (mixed categories)")
+    ap.add_argument(
+        "--prompts", type=int, default=None,
+        help="Spec-Bench prompts (mixed categories; default 4, all with --per-category)",
+    )
     ap.add_argument("--categories", nargs="*", default=None)
     ap.add_argument(
         "--per-category", type=int, default=None,
@@ -88,6 +91,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="subset of method names to run")
     ap.add_argument("--out", default=None, help="write the raw measurements as JSON here")
     args = ap.parse_args()
+    if args.prompts is None and args.per_category is None:
+        args.prompts = 4
     if args.threads:
         torch.set_num_threads(args.threads)
 
