@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from specflow.acceptance import StandardAcceptor  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
+from specflow.models.native import NativeLM  # noqa: E402
 from specflow.runner import build_prompt  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
@@ -52,7 +53,7 @@ def hf_copy(name: str, shared: bool, dtype: str = "float32"):
     specflow's model is packed (then specflow never touched the HF tensors: they keep HF's
     own layout, and a second copy would only cost memory)."""
     loaded = load_model(name, dtype=dtype)
-    if shared or getattr(loaded.lm, "packed", False):
+    if shared or (isinstance(loaded.lm, NativeLM) and loaded.lm.packed):
         return loaded.hf_model
     from transformers import AutoModelForCausalLM
 

@@ -43,7 +43,7 @@ class FallbackDrafter:
         self.min_tokens = min_tokens
         self.k = max(first.k, then.k)
         # Per request: whether its draft of this round came from ``first``.
-        self._from_first: RequestLocal[list[bool]] = RequestLocal(lambda _state: [True])
+        self._from_first: RequestLocal[bool] = RequestLocal(lambda _state: True)
 
     def models(self) -> list[ModelInfo]:
         return self.first.models() + self.then.models()
@@ -66,7 +66,7 @@ class FallbackDrafter:
                 drafts[i] = draft
         handed_on = set(short)
         for i, st in enumerate(states):
-            self._from_first.get(st)[0] = i not in handed_on
+            self._from_first.set(st, i not in handed_on)
         return drafts
 
     def observe(
@@ -77,7 +77,7 @@ class FallbackDrafter:
         verdicts: list[Acceptance],
     ) -> None:
         for drafter, from_first in ((self.first, True), (self.then, False)):
-            rows = [i for i, st in enumerate(states) if self._from_first.get(st)[0] is from_first]
+            rows = [i for i, st in enumerate(states) if self._from_first.get(st) is from_first]
             if rows:
                 drafter.observe(
                     [states[i] for i in rows],

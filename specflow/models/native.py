@@ -353,21 +353,21 @@ class NativeLM:
                 _Layer(**{f.name: mv_matrix(getattr(w, f.name)) for f in fields(_Layer)})
                 for w in self.layers
             ]
+            lm_head = mv(self.lm_head)
             moved = NativeLM(
                 self.info,
                 embed_weight=mv(self.embed_weight),
                 layers=layers,
                 final_norm=mv(self.final_norm),
-                lm_head=mv(self.lm_head),
+                lm_head=lm_head,
                 num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim,
                 rms_eps=self.eps,
                 rope_theta=10000.0,  # the tables are moved below, not recomputed
                 max_positions=1,
+                head_weight=pack(lm_head) if repack else None,
             )
-            if repack:
-                moved.head_weight = pack(moved.lm_head)
             moved.cos = self.cos.to(device=device, dtype=dtype)
             moved.sin_signed = self.sin_signed.to(device=device, dtype=dtype)
             moved.exit_heads = {
