@@ -6,7 +6,13 @@ folder, and writes there
 
 - ``sweep_summary.csv``: one row per job: ``job`` (its folder), ``overrides`` (as typed),
   one column per overridden key, ``method``, ``complete`` and every slash-named metric;
-- ``sweep_summary.txt``: the same as a readable table (key metrics only), also printed.
+- ``sweep_summary.txt``: the same as a readable table (key metrics only), also printed;
+- ``sweep_pareto.png``: when the jobs have a task score and a speedup, accuracy (with its
+  95 % Wilson interval) against speedup, one point per job, the Pareto front joined and
+  plain decoding's accuracy and 99 % of it drawn as lines.
+
+``python -m callbacks.sweep SWEEP_DIR [RUN_DIR ...]`` writes the same for a finished sweep,
+with single runs (e.g. exact acceptance of the same drafter) added as rows and points.
 
 A failed job stays visible: ``complete`` is false (interrupted run) or empty (no
 ``summary.json``), and ``error`` holds the last line of its ``error.txt`` (the traceback
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +36,15 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from callbacks.csv_logger import write_csv
+from callbacks.plots import pyplot
 from specflow.metrics import KEY_METRICS, flatten_summary
 
 log = logging.getLogger(__name__)
 
 SUMMARY_CSV = "sweep_summary.csv"
 SUMMARY_TXT = "sweep_summary.txt"
+PARETO_PNG = "sweep_pareto.png"
+SPEED = "throughput/speedup"
 ERROR_FILE = "error.txt"
 
 
@@ -70,30 +81,106 @@ def _job_key(path: Path) -> tuple[int, str]:
     return (int(head) if head.isdigit() else 1 << 30, str(path))
 
 
-def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """One row per job folder under ``sweep_dir`` (see module doc)."""
+def collect(sweep_dir: str | Path, extra_runs: Sequence[str | Path] = ()) -> list[dict[str, Any]]:
+    """One row per job folder under ``sweep_dir`` (see module doc), then one per run folder
+    of ``extra_runs`` (single runs to compare with the sweep, e.g. exact acceptance)."""
     sweep_dir = Path(sweep_dir)
-    rows = []
-    for job in _job_dirs(sweep_dir):
-        row: dict[str, Any] = {"job": str(job.relative_to(sweep_dir)) or "."}
-        ov_path = job / ".hydra" / "overrides.yaml"
-        overrides = (yaml.safe_load(ov_path.read_text()) or []) if ov_path.exists() else []
-        row["overrides"] = " ".join(overrides)
-        for ov in overrides:
-            key, _, value = ov.partition("=")
-            row[key.lstrip("+~")] = value
-        summary_path = job / "summary.json"
-        if summary_path.exists():
-            summary = json.loads(summary_path.read_text())
-            row["method"] = summary.get("method")
-            row["complete"] = summary.get("complete")
-            row.update(flatten_summary(summary))
-        error = job / ERROR_FILE
-        if error.exists():
-            lines = error.read_text().strip().splitlines()
-            row["error"] = lines[-1] if lines else "failed"
-        rows.append(row)
+    rows = [_row(job, str(job.relative_to(sweep_dir)) or ".") for job in _job_dirs(sweep_dir)]
+    rows += [_row(Path(run), str(run)) for run in extra_runs]
     return rows
+
+
+def _row(job: Path, name: str) -> dict[str, Any]:
+    """A job folder's row: its overrides (one column per key) and flat summary metrics."""
+    row: dict[str, Any] = {"job": name}
+    ov_path = job / ".hydra" / "overrides.yaml"
+    overrides = (yaml.safe_load(ov_path.read_text()) or []) if ov_path.exists() else []
+    row["overrides"] = " ".join(overrides)
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        row[key.lstrip("+~")] = value
+    summary_path = job / "summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        row["method"] = summary.get("method")
+        row["complete"] = summary.get("complete")
+        row.update(flatten_summary(summary))
+    error = job / ERROR_FILE
+    if error.exists():
+        lines = error.read_text().strip().splitlines()
+        row["error"] = lines[-1] if lines else "failed"
+    return row
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point dominates, both coordinates maximised.
+
+    ``q`` dominates ``p`` when ``q >= p`` in both coordinates and ``q != p``; ties (equal
+    points) are all kept.  Returned in order of increasing first coordinate.
+    """
+    front = [
+        i
+        for i, (x, y) in enumerate(points)
+        if not any(qx >= x and qy >= y and (qx, qy) != (x, y) for qx, qy in points)
+    ]
+    return sorted(front, key=lambda i: points[i])
+
+
+def accuracy_metric(rows: list[dict[str, Any]]) -> str | None:
+    """The task score the Pareto plot uses: the first ``task/*`` that every row with a
+    speedup has (pass@1, GSM8K exact match...); ``None`` when there is none."""
+    with_speed = [r for r in rows if r.get(SPEED) is not None]
+    names = sorted({k for r in with_speed for k in r if k.startswith("task/")})
+    for name in names:
+        if all(r.get(name) is not None for r in with_speed):
+            return name
+    return None
+
+
+def plot_pareto(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """``path``: task accuracy against speedup over plain decoding, one point per job (with
+    its 95 % interval), the Pareto front joined, plain decoding's accuracy and 99 % of it as
+    horizontal lines.  ``None`` (nothing drawn) without rows that have both numbers."""
+    metric = accuracy_metric(rows)
+    if metric is None:
+        return None
+    rows = [r for r in rows if r.get(SPEED) is not None]
+    name = metric.removeprefix("task/")
+    split = [r["overrides"].split() for r in rows]
+    common = [o for o in split[0] if all(o in s for s in split[1:])]
+    labels = [
+        " ".join(o.split(".")[-1] for o in s if o not in common) or r["job"]
+        for r, s in zip(rows, split, strict=True)
+    ]
+    xs = [float(r[SPEED]) for r in rows]
+    ys = [float(r[metric]) for r in rows]
+    los = [float(r.get(f"task_lo/{name}", y)) for r, y in zip(rows, ys, strict=True)]
+    his = [float(r.get(f"task_hi/{name}", y)) for r, y in zip(rows, ys, strict=True)]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    ax.errorbar(xs, ys, yerr=[[y - lo for y, lo in zip(ys, los, strict=True)],
+                              [hi - y for y, hi in zip(ys, his, strict=True)]],
+                fmt="o", color="tab:blue", ecolor="lightsteelblue", capsize=3)
+    for x, y, label in zip(xs, ys, labels, strict=True):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    front = pareto_front(list(zip(xs, ys, strict=True)))
+    ax.plot([xs[i] for i in front], [ys[i] for i in front], "-", color="tab:red",
+            label="Pareto front")
+    base = [float(r[f"baseline_{metric}"]) for r in rows if r.get(f"baseline_{metric}") is not None]
+    if base:
+        plain = sum(base) / len(base)
+        ax.axhline(plain, color="gray", linestyle="--", label=f"plain decoding {plain:.3f}")
+        ax.axhline(0.99 * plain, color="gray", linestyle=":", label="99 % of plain")
+    ax.axvline(1.0, color="lightgray", linewidth=0.8)
+    ax.set_xlabel("speedup over plain decoding (tokens/s ratio)")
+    ax.set_ylabel(f"{name} (95 % Wilson interval)")
+    ax.set_title(f"{name} vs speedup" + (f"  [{' '.join(common)}]" if common else ""),
+                 fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _cell(value: Any) -> str:
@@ -122,10 +209,13 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_sweep_summary(sweep_dir: str | Path) -> Path | None:
-    """Write ``sweep_summary.csv`` and ``.txt`` into ``sweep_dir``; the CSV path."""
+def write_sweep_summary(
+    sweep_dir: str | Path, extra_runs: Sequence[str | Path] = ()
+) -> Path | None:
+    """Write ``sweep_summary.csv`` and ``.txt`` (and ``sweep_pareto.png`` where the jobs have
+    task scores and speedups) into ``sweep_dir``; the CSV path."""
     sweep_dir = Path(sweep_dir)
-    rows = collect(sweep_dir)
+    rows = collect(sweep_dir, extra_runs)
     if not rows:
         log.warning("no job folders found under %s", sweep_dir)
         return None
@@ -135,6 +225,9 @@ def write_sweep_summary(sweep_dir: str | Path) -> Path | None:
     (sweep_dir / SUMMARY_TXT).write_text(table + "\n")
     print(table)
     print(f"sweep summary: {path.resolve()}")
+    plot = plot_pareto(rows, sweep_dir / PARETO_PNG)
+    if plot is not None:
+        print(f"pareto plot: {plot.resolve()}")
     return path
 
 
@@ -143,3 +236,19 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         write_sweep_summary(config.hydra.sweep.dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m callbacks.sweep SWEEP_DIR [RUN_DIR ...]``: (re)write the sweep summary and
+    Pareto plot of a finished multirun, with single runs added as extra rows."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0].startswith("-"):
+        raise SystemExit("usage: python -m callbacks.sweep SWEEP_DIR [RUN_DIR ...]")
+    for run in args:
+        if not Path(run).is_dir():
+            raise SystemExit(f"{run}: not a folder (give a multirun folder, then run folders)")
+    write_sweep_summary(args[0], args[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,10 @@ quality/fidelity          ``fidelity`` (summary) or ``matches_baseline`` (record
 task/<name>               task scores of the method's output
 baseline_task/<name>      task scores of plain decoding's output
 task_ratio/<name>         task / baseline_task (1.0 when both are 0)
+task_lo/, task_hi/<name>  95 % Wilson interval of a pass/fail task score (summary);
+                          also ``baseline_task_lo/`` and ``baseline_task_hi/``
+task_paired/<name>/<f>    ``both``, ``method_only``, ``plain_only``, ``neither``, ``mcnemar_p``
+accept/accepted/<level>   tokens accepted at a level (summary ``accepted_by_level``)
 quality/accuracy_ratio    mean of the ``task_ratio/*`` (absent without task scores)
 ========================  ===================================================
 
@@ -108,6 +112,22 @@ def flatten(metrics: dict[str, Any], task: dict[str, Any] | None = None,
             for level, rate in value.items():
                 if (v := _number(rate)) is not None:
                     out[f"accept/rate/{level}"] = v
+        elif key in ("task_ci95", "baseline_task_ci95") and isinstance(value, dict):
+            prefix = key.removesuffix("_ci95")  # task_lo/<name>, baseline_task_hi/<name>
+            for task_key, (lo, hi) in value.items():
+                name = task_key.removeprefix("task/")
+                out[f"{prefix}_lo/{name}"] = float(lo)
+                out[f"{prefix}_hi/{name}"] = float(hi)
+        elif key == "task_paired" and isinstance(value, dict):
+            for task_key, counts in value.items():
+                name = task_key.removeprefix("task/")
+                for field, count in counts.items():
+                    if (v := _number(count)) is not None:
+                        out[f"task_paired/{name}/{field}"] = v
+        elif key == "accepted_by_level" and isinstance(value, dict):
+            for level, count in value.items():
+                if (v := _number(count)) is not None:
+                    out[f"accept/accepted/{level}"] = v
         elif key.startswith(("task/", "baseline_task/")):
             if (v := _number(value)) is not None:
                 out[key] = v

@@ -15,12 +15,18 @@ else is an error naming the file and the line: nothing is skipped silently.
 Aggregation (``summarize``): throughput is total new tokens / total seconds (so long
 requests weigh more, as in Spec-Bench); ``speedup`` is the method's tokens/s over plain
 decoding's tokens/s on the same requests; ``tau = 1 + accepted / rounds`` over all rounds.
+Task scores are means over requests; for pass/fail scores the summary adds
+``task_ci95`` / ``baseline_task_ci95`` (95 % Wilson intervals) and ``task_paired`` (both /
+method-only / plain-only / neither counts and the exact McNemar p-value), and
+``accepted_by_level`` counts the tokens each acceptance level accepted (e.g. FLy's loosely
+accepted tokens: ``accepted_by_level["fly_loose"] / new_tokens`` of the output).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -313,6 +319,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
             acc[0] += d
             acc[1] += a
     out["acceptance_by_level"] = {k: _ratio(a, d) for k, (d, a) in levels.items()}
+    out["accepted_by_level"] = {k: a for k, (_, a) in levels.items()}
     stage_keys = sorted({k for x in m for k in x["time_per_stage"]})
     out["time_per_stage"] = {k: sum(x["time_per_stage"].get(k, 0.0) for x in m) for k in stage_keys}
     base = [x for x in m if x.get("baseline_s") is not None]
@@ -331,10 +338,63 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     for key in task_keys:
         vals = [r["task"][key] for r in records if key in r.get("task", {})]
         out[key] = sum(vals) / len(vals)
+        if _binary(vals):
+            out.setdefault("task_ci95", {})[key] = wilson_interval(int(sum(vals)), len(vals))
         base_vals = [r["baseline_task"][key] for r in records if key in r.get("baseline_task", {})]
         if base_vals:
             out[f"baseline_{key}"] = sum(base_vals) / len(base_vals)
+            if _binary(base_vals):
+                ci = wilson_interval(int(sum(base_vals)), len(base_vals))
+                out.setdefault("baseline_task_ci95", {})[key] = ci
+        paired = [
+            (r["task"][key], r["baseline_task"][key])
+            for r in records
+            if key in r.get("task", {}) and key in r.get("baseline_task", {})
+        ]
+        if paired and _binary([v for pair in paired for v in pair]):
+            out.setdefault("task_paired", {})[key] = paired_counts(paired)
     return out
+
+
+def _binary(values: list[Any]) -> bool:
+    return all(v in (0, 1) for v in values)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> list[float]:
+    """The 95 % Wilson score interval ``[lo, hi]`` of a proportion ``successes / n``.
+
+    With p = k/n: (p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n).  Unlike the normal
+    interval it stays inside [0, 1] and is sensible at k = 0 or k = n.
+    """
+    if n <= 0:
+        raise ValueError(f"wilson_interval needs n >= 1, got {n}")
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1.0 - p) / n + z * z / (4.0 * n * n))
+    return [max(0.0, (centre - half) / denom), min(1.0, (centre + half) / denom)]
+
+
+def paired_counts(pairs: list[tuple[Any, Any]]) -> dict[str, float]:
+    """Pass/fail of the method against plain decoding on the same requests.
+
+    ``both``, ``method_only``, ``plain_only``, ``neither`` (counts) and ``mcnemar_p``: the
+    exact two-sided McNemar test, i.e. the binomial test of the b = method_only and
+    c = plain_only discordant pairs against p = 1/2: p = min(1, 2·P[Bin(b+c, ½) <= min(b, c)]);
+    1.0 when there is no discordant pair.
+    """
+    both = sum(1 for m, b in pairs if m and b)
+    method_only = sum(1 for m, b in pairs if m and not b)
+    plain_only = sum(1 for m, b in pairs if b and not m)
+    n = method_only + plain_only
+    tail = sum(math.comb(n, i) for i in range(min(method_only, plain_only) + 1)) / 2**n
+    return {
+        "both": both,
+        "method_only": method_only,
+        "plain_only": plain_only,
+        "neither": len(pairs) - both - method_only - plain_only,
+        "mcnemar_p": min(1.0, 2.0 * tail),
+    }
 
 
 def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,17 @@ from callbacks.csv_logger import CsvLogger
 from callbacks.jsonl import JsonlLogger
 from callbacks.plots import Plots
 from callbacks.progress import ProgressBar
-from callbacks.sweep import SUMMARY_CSV, SweepSummary, objective
+from callbacks.sweep import (
+    PARETO_PNG,
+    SUMMARY_CSV,
+    SweepSummary,
+    accuracy_metric,
+    collect,
+    objective,
+    pareto_front,
+    plot_pareto,
+)
+from callbacks.sweep import main as sweep_main
 from specflow import compare
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
@@ -348,13 +358,15 @@ def test_crashing_run_finishes_loggers_and_keeps_requests(tmp_path, tiny_target)
 # --- sweeps -----------------------------------------------------------------------------------
 
 
-def _fake_job(sweep: Path, name: str, overrides: list[str], speedup: float) -> None:
+def _fake_job(sweep: Path, name: str, overrides: list[str], speedup: float,
+              accuracy: float = 0.5) -> None:
     job = sweep / name
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     summary = {"method": "fly", "complete": True, "num_requests": 2, "tokens_per_s": 10 * speedup,
                "baseline_tokens_per_s": 10.0, "speedup": speedup, "tau": 2.0,
-               "task/gsm8k_exact": 0.5, "baseline_task/gsm8k_exact": 0.5,
+               "task/gsm8k_exact": accuracy, "baseline_task/gsm8k_exact": 0.5,
+               "task_ci95": {"task/gsm8k_exact": [accuracy / 2, (1 + accuracy) / 2]},
                "by_category": {}}
     (job / "summary.json").write_text(json.dumps(summary))
 
@@ -377,6 +389,40 @@ def test_sweep_summary_collects_every_job(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "+experiment=fly acceptor.theta=0.7" in out and "FAILED: RuntimeError: boom" in out
     assert (tmp_path / "sweep_summary.txt").exists()
+
+
+def test_pareto_front_keeps_the_undominated_points():
+    points = [(1.0, 0.5), (1.5, 0.4), (1.2, 0.5), (2.0, 0.1), (1.5, 0.3), (1.2, 0.5)]
+    # (1.0, 0.5) loses to (1.2, 0.5); (1.5, 0.3) to (1.5, 0.4); the two equal points stay
+    assert pareto_front(points) == [2, 5, 1, 3]
+    assert pareto_front([]) == []
+
+
+def test_sweep_cli_adds_runs_and_draws_the_pareto_plot(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    _fake_job(sweep, "0_acceptor.theta=0.3", ["+experiment=fly", "acceptor.theta=0.3"], 1.5, 0.25)
+    _fake_job(sweep, "1_acceptor.theta=0.9", ["+experiment=fly", "acceptor.theta=0.9"], 1.2, 0.5)
+    _fake_job(tmp_path, "exact", ["+experiment=pld"], 1.1, 0.5)
+    sweep_main([str(sweep), str(tmp_path / "exact")])
+    with (sweep / SUMMARY_CSV).open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["job"] for r in rows] == ["0_acceptor.theta=0.3", "1_acceptor.theta=0.9",
+                                        str(tmp_path / "exact")]
+    assert [r["task_hi/gsm8k_exact"] for r in rows] == ["0.625", "0.75", "0.75"]
+    assert accuracy_metric(collect(sweep)) == "task/gsm8k_exact"
+    assert (sweep / PARETO_PNG).read_bytes().startswith(PNG_MAGIC)
+    assert "pareto plot:" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a folder"):
+        sweep_main([str(sweep), str(tmp_path / "missing")])
+
+
+def test_no_pareto_plot_without_task_scores(tmp_path):
+    job = tmp_path / "0_x=1"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- x=1\n")
+    (job / "summary.json").write_text(json.dumps({"speedup": 1.3, "by_category": {}}))
+    assert plot_pareto(collect(tmp_path), tmp_path / PARETO_PNG) is None
+    assert not (tmp_path / PARETO_PNG).exists()
 
 
 APP = """
