@@ -22,13 +22,21 @@ from specflow import metrics as m
 from specflow.results import REQUESTS_FILE, SUMMARY_FILE, read_records, summarize
 
 
-def load_summary(run_dir: str | Path) -> dict[str, Any]:
-    """A run folder's summary (recomputed from ``requests.jsonl`` when missing)."""
+def load_summary(run_dir: str | Path, recompute: bool = False) -> dict[str, Any]:
+    """A run folder's summary (recomputed from ``requests.jsonl`` when missing).
+
+    ``recompute``: aggregate ``requests.jsonl`` again with this version's ``summarize``
+    (e.g. for the accuracy intervals of a run that predates them), keeping the stored
+    summary's other keys (method, models, machine, batch).
+    """
     run_dir = Path(run_dir)
     path = run_dir / SUMMARY_FILE
-    if path.exists():
-        return json.loads(path.read_text())
     requests = run_dir / REQUESTS_FILE
+    if path.exists():
+        summary = json.loads(path.read_text())
+        if recompute and requests.exists():
+            summary.update(summarize(read_records(requests), {}))
+        return summary
     if requests.exists():
         return summarize(read_records(requests), {"complete": False})
     raise FileNotFoundError(f"{run_dir}: no {SUMMARY_FILE} or {REQUESTS_FILE} (not a run folder?)")
@@ -53,7 +61,8 @@ def compare_rows(summaries: list[dict[str, Any]]) -> list[tuple[str, list[Any]]]
     ]
     names = [k for k in m.KEY_METRICS if any(k in f for f in flats)]
     extra = sorted({k for f in flats for k in f} - set(names))
-    names += [k for k in extra if k.startswith(("accept/rate/", "task/", "baseline_task/"))]
+    names += [k for k in extra if k.startswith(("accept/rate/", "accept/accepted/"))]
+    names += [k for k in extra if k.startswith(("task", "baseline_task"))]
     names += m.stage_names({k: 0.0 for k in extra}) + [k for k in extra if k == "time/total_s"]
     rows += [(k, [f.get(k) for f in flats]) for k in names]
     for cat in sorted({c for cs in cats for c in cs}):
@@ -130,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (with summary.json)")
     parser.add_argument("--plot", type=Path, help="write speedup-per-category bars here (PNG)")
     parser.add_argument("--csv", type=Path, help="write the table here (CSV)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="aggregate requests.jsonl again instead of reading summary.json")
     args = parser.parse_args(argv)
     try:
-        summaries = [load_summary(p) for p in args.runs]
+        summaries = [load_summary(p, recompute=args.recompute) for p in args.runs]
     except FileNotFoundError as exc:
         print(f"compare: error: {exc}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ from specflow import compare
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.metrics import flatten_record, flatten_summary
-from specflow.results import RunFolder, read_records, summarize
+from specflow.results import RunFolder, read_records, summarize, wilson_interval
 from specflow.runner import Runner
 from specflow.settings import RunSettings
 from specflow.state import Draft, SamplingParams
@@ -503,6 +503,20 @@ def test_compare_prints_runs_side_by_side(tmp_path, records, summary, capsys):
     assert (tmp_path / "cmp.png").read_bytes()[:8] == PNG_MAGIC
     rows = list(csv.reader((tmp_path / "cmp.csv").open()))
     assert rows[0] == ["metric", "sps", "pld"]
+
+
+def test_compare_recompute_adds_the_intervals_to_an_old_summary(tmp_path, records, capsys):
+    old = summarize(records[:2], {"method": "fly", "complete": True})
+    old.pop("task_ci95")  # as written before the intervals existed
+    (tmp_path / "summary.json").write_text(json.dumps(old))
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    assert "task_ci95" not in compare.load_summary(tmp_path)
+    fresh = compare.load_summary(tmp_path, recompute=True)
+    assert fresh["method"] == "fly"
+    assert fresh["task_ci95"]["task/gsm8k_exact"] == wilson_interval(1, 2)
+    assert compare.main([str(tmp_path), "--recompute"]) == 0
+    out = capsys.readouterr().out
+    assert "task_lo/gsm8k_exact" in out and "task_paired/gsm8k_exact/both" in out
 
 
 def test_compare_rejects_a_non_run_folder(tmp_path, capsys):
