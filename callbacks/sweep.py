@@ -137,6 +137,23 @@ def accuracy_metric(rows: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def point_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """Short point names: the method, then ``key=value`` (last part of the key) for each
+    override the row has whose value varies across the rows (compared case-insensitively,
+    so ``True`` and ``true`` do not count as a difference; the experiment is the method)."""
+    parsed = []
+    for r in rows:
+        pairs = dict(o.partition("=")[::2] for o in r.get("overrides", "").split())
+        parsed.append({k.lstrip("+~"): v for k, v in pairs.items()})
+    keys = sorted({k for p in parsed for k in p} - {"experiment"})
+    varying = [k for k in keys if len({str(p.get(k)).lower() for p in parsed}) > 1]
+    labels = []
+    for r, p in zip(rows, parsed, strict=True):
+        parts = [f"{k.split('.')[-1]}={p[k]}" for k in varying if k in p]
+        labels.append(" ".join([str(r.get("method") or r["job"]), *parts]))
+    return labels
+
+
 def plot_pareto(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """``path``: task accuracy against speedup over plain decoding, one point per job (with
     its 95 % interval), the Pareto front joined, plain decoding's accuracy and 99 % of it as
@@ -146,12 +163,7 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path) -> Path | None:
         return None
     rows = [r for r in rows if r.get(SPEED) is not None]
     name = metric.removeprefix("task/")
-    split = [r["overrides"].split() for r in rows]
-    common = [o for o in split[0] if all(o in s for s in split[1:])]
-    labels = [
-        " ".join(o.split(".")[-1] for o in s if o not in common) or r["job"]
-        for r, s in zip(rows, split, strict=True)
-    ]
+    labels = point_labels(rows)
     xs = [float(r[SPEED]) for r in rows]
     ys = [float(r[metric]) for r in rows]
     los = [float(r.get(f"task_lo/{name}", y)) for r, y in zip(rows, ys, strict=True)]
@@ -161,8 +173,9 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path) -> Path | None:
     ax.errorbar(xs, ys, yerr=[[y - lo for y, lo in zip(ys, los, strict=True)],
                               [hi - y for y, hi in zip(ys, his, strict=True)]],
                 fmt="o", color="tab:blue", ecolor="lightsteelblue", capsize=3)
-    for x, y, label in zip(xs, ys, labels, strict=True):
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for i, (x, y, label) in enumerate(zip(xs, ys, labels, strict=True)):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4 - 10 * (i % 3)),
+                    fontsize=7)
     front = pareto_front(list(zip(xs, ys, strict=True)))
     ax.plot([xs[i] for i in front], [ys[i] for i in front], "-", color="tab:red",
             label="Pareto front")
@@ -174,8 +187,9 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path) -> Path | None:
     ax.axvline(1.0, color="lightgray", linewidth=0.8)
     ax.set_xlabel("speedup over plain decoding (tokens/s ratio)")
     ax.set_ylabel(f"{name} (95 % Wilson interval)")
-    ax.set_title(f"{name} vs speedup" + (f"  [{' '.join(common)}]" if common else ""),
-                 fontsize=8)
+    counts = sorted({int(r["count/requests"]) for r in rows if r.get("count/requests")})
+    ax.set_title(f"{name} vs speedup" + (f" (n = {counts[0]} per point)" if len(counts) == 1
+                                         else ""), fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

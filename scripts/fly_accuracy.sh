@@ -8,13 +8,15 @@
 #          problems in the same run; exact acceptance of the same drafter (pld); vLLM's gate
 #          (acceptor=fly_vllm, W = min(6, k-1)).  ~45 min.
 #   sweep  GSM8K (all 20 Spec-Bench math_reasoning questions of the dev split), 0.5B target,
-#          batch 1 (speedup as a user sees it): the theta x W multirun of fly_self, vLLM's
-#          gate, and exact pld; plain decoding from the baseline cache, filled by the first
+#          batch 1 (speedup as a user sees it): a theta multirun of fly_self at W 3 (with
+#          vLLM's gate at W 6 as the other window), and exact pld; plain decoding from the baseline cache, filled by the first
 #          job side by side and re-timed by every later job (summary batch.baseline_drift).
 #          The sweep folder gets sweep_summary.csv/.txt and the Pareto plot
 #          sweep_pareto.png (accuracy vs speedup) from callbacks.sweep.  ~50 min.
-#   big    the 1.5B as target, fly and fly_mla against plain decoding, HumanEval/0-39 at
+#   big    the 1.5B as target, fly and fly_mla against plain decoding, HumanEval/0-23 at
 #          batch 8.  ~25 min.
+#   he_theta  (not in the default) HumanEval 164 at theta 0.6, W 3, the GSM8K sweep's
+#          point that kept plain accuracy; plain decoding from he's run.  ~15 min.
 #
 # Summaries: python -m specflow.compare DIR ...; the Pareto plot again:
 #   python -m callbacks.sweep SWEEP_DIR [RUN_DIR ...]
@@ -49,15 +51,20 @@ if has sweep; then
   step "GSM8K: vLLM's gate (batch 1)"
   run +experiment=fly_self acceptor=fly_vllm acceptor.window=null $SMALL "${MATH[@]}" $B1 \
     hydra.run.dir="$OUT/math_sweep_ref/fly_vllm"
-  step "GSM8K: theta x W multirun of fly_self (batch 1)"
-  run -m +experiment=fly_self acceptor.theta=0.3,0.6,0.9 acceptor.window=3,6 $SMALL \
+  step "GSM8K: theta multirun of fly_self at W 3 (batch 1)"
+  run -m +experiment=fly_self acceptor.theta=0.3,0.6,0.9 acceptor.window=3 $SMALL \
     "${MATH[@]}" $B1 hydra.sweep.dir="$OUT/math_sweep"
   $PY -m callbacks.sweep "$OUT/math_sweep" "$OUT"/math_sweep_ref/*/
 fi
 
 if has big; then
-  BIG=("workload=humaneval" "workload.limit=40" "runner.max_new_tokens=384" "runner.batch_size=8")
-  step "HumanEval/0-39, 1.5B target: fly and fly_mla vs plain (batch 8)"
+  BIG=("workload=humaneval" "workload.limit=24" "runner.max_new_tokens=384" "runner.batch_size=8")
+  step "HumanEval/0-23, 1.5B target: fly and fly_mla vs plain (batch 8)"
   run -m +experiment=fly,fly_mla runner.threads=2 "${BIG[@]}" hydra.sweep.dir="$OUT/he_big"
+fi
+if has he_theta; then
+  step "HumanEval 164: fly_self at theta 0.6, W 3 (batch 8; plain decoding from he_fly_self)"
+  run +experiment=fly_self acceptor.theta=0.6 $SMALL $HE runner.baseline=false \
+    hydra.run.dir="$OUT/he_fly_self_t06"
 fi
 step done

@@ -30,6 +30,7 @@ from callbacks.sweep import (
     objective,
     pareto_front,
     plot_pareto,
+    point_labels,
 )
 from callbacks.sweep import main as sweep_main
 from specflow import compare
@@ -414,6 +415,17 @@ def test_sweep_cli_adds_runs_and_draws_the_pareto_plot(tmp_path, capsys):
     assert "pareto plot:" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="not a folder"):
         sweep_main([str(sweep), str(tmp_path / "missing")])
+
+
+def test_point_labels_name_the_method_and_what_varies():
+    rows = [
+        {"job": "0", "method": "fly_self",
+         "overrides": "+experiment=fly_self acceptor.theta=0.3 runner.baseline_cache=True"},
+        {"job": "1", "method": "fly_self",
+         "overrides": "+experiment=fly_self acceptor.theta=0.9 runner.baseline_cache=True"},
+        {"job": "2", "method": "pld", "overrides": "+experiment=pld runner.baseline_cache=true"},
+    ]
+    assert point_labels(rows) == ["fly_self theta=0.3", "fly_self theta=0.9", "pld"]
 
 
 def test_no_pareto_plot_without_task_scores(tmp_path):
