@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # Issue #15: FLy's task accuracy at scale on the 2-core CPU, in sequential parts.
-#   bash scripts/fly_accuracy.sh [he] [sweep] [big]       (default: he sweep big)
+#   bash scripts/fly_accuracy.sh [he] [sweep] [big] [big_exact] [he_theta]
+#   (default: he sweep big; big includes big_exact)
 #
 #   he     HumanEval, all 164 problems, Qwen2.5-Coder-0.5B as target, at batch 8 (accuracy,
 #          tau and the loose share; batch 8 decodes about 5x the tokens/s of batch 1 here):
 #          fly_self (PLD k 8 + FLy, theta 0.3 normalized, W 3) with plain decoding of the same
 #          problems in the same run; exact acceptance of the same drafter (pld); vLLM's gate
-#          (acceptor=fly_vllm, W = min(6, k-1)).  ~45 min.
+#          (acceptor=fly_vllm, W = min(6, k-1)).  ~56 min.
 #   sweep  GSM8K (all 20 Spec-Bench math_reasoning questions of the dev split), 0.5B target,
-#          batch 1 (speedup as a user sees it): a theta multirun of fly_self at W 3 (with
-#          vLLM's gate at W 6 as the other window), and exact pld; plain decoding from the baseline cache, filled by the first
-#          job side by side and re-timed by every later job (summary batch.baseline_drift).
+#          batch 1 (speedup as a user sees it): a theta multirun of fly_self at W 3 (vLLM's
+#          gate at W 6 is the other window), and exact pld; plain decoding from the baseline
+#          cache, filled by the first job side by side and re-timed by every later job
+#          (summary batch.baseline_drift).
 #          The sweep folder gets sweep_summary.csv/.txt and the Pareto plot
-#          sweep_pareto.png (accuracy vs speedup) from callbacks.sweep.  ~50 min.
+#          sweep_pareto.png (accuracy vs speedup) from callbacks.sweep.  ~36 min.
 #   big    the 1.5B as target, fly and fly_mla against plain decoding, HumanEval/0-23 at
-#          batch 8.  ~25 min.
+#          batch 8, and exact sps (k 6, fp32 drafter as in fly) for tau.  ~22 min.
 #   he_theta  (not in the default) HumanEval 164 at theta 0.6, W 3, the GSM8K sweep's
-#          point that kept plain accuracy; plain decoding from he's run.  ~15 min.
+#          point that kept plain accuracy; plain decoding from he's run.  ~13 min.
 #
 # Summaries: python -m specflow.compare DIR ...; the Pareto plot again:
 #   python -m callbacks.sweep SWEEP_DIR [RUN_DIR ...]
@@ -62,6 +64,13 @@ if has big; then
   step "HumanEval/0-23, 1.5B target: fly and fly_mla vs plain (batch 8)"
   run -m +experiment=fly,fly_mla runner.threads=2 "${BIG[@]}" hydra.sweep.dir="$OUT/he_big"
 fi
+if has big || has big_exact; then
+  BIG=("workload=humaneval" "workload.limit=24" "runner.max_new_tokens=384" "runner.batch_size=8")
+  step "HumanEval/0-23, 1.5B target: exact sps with k 6 (tau reference for fly)"
+  run +experiment=sps drafter.k=6 drafter.model.dtype=float32 runner.threads=2 "${BIG[@]}" \
+    runner.baseline=false hydra.run.dir="$OUT/he_big_sps_exact"
+fi
+
 if has he_theta; then
   step "HumanEval 164: fly_self at theta 0.6, W 3 (batch 8; plain decoding from he_fly_self)"
   run +experiment=fly_self acceptor.theta=0.6 $SMALL $HE runner.baseline=false \
