@@ -38,18 +38,16 @@ def _acc(k: float, n: int) -> str:
     return f"{round(k)}/{n} = {k / n:.3f} [{lo:.2f}, {hi:.2f}]"
 
 
-def row(run: Path, plain_from: Path | None) -> str:
-    """One markdown table row for ``run`` (see module doc)."""
-    s = load_summary(run, recompute=True)
+def row(run: Path, s: dict[str, Any], plain_records: list[dict[str, Any]]) -> str:
+    """One markdown table row for ``run`` with its (recomputed) summary ``s``; plain
+    decoding's task scores come from the run itself, else from ``plain_records``."""
     records = read_records(run / REQUESTS_FILE)
     n = len(records)
     keys = sorted({k for r in records for k in r.get("task", {})})
     key = keys[0] if keys else None
     method = sum(r["task"][key] for r in records) if key else None
     plain_by_id: dict[str, Any] = {}
-    source = records if s.get("speedup") is not None else []
-    if plain_from is not None and not source:
-        source = read_records(plain_from / REQUESTS_FILE)
+    source = records if s.get("speedup") is not None else plain_records
     for r in source:
         if key and key in r.get("baseline_task", {}):
             plain_by_id[r["request_id"]] = r["baseline_task"][key]
@@ -91,14 +89,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="a run of the same requests with plain decoding's task scores")
     parser.add_argument("--json", action="store_true", help="also print each recomputed summary")
     args = parser.parse_args(argv)
+    plain_records = read_records(args.plain_from / REQUESTS_FILE) if args.plain_from else []
+    summaries = [load_summary(run, recompute=True) for run in args.runs]
     print(HEADER)
-    for run in args.runs:
-        print(row(run, args.plain_from))
+    for run, s in zip(args.runs, summaries, strict=True):
+        print(row(run, s, plain_records))
     if args.json:
-        for run in args.runs:
-            s = load_summary(run, recompute=True)
-            s.pop("by_category", None)
-            print(json.dumps({"run": str(run), **s}, default=str))
+        for run, s in zip(args.runs, summaries, strict=True):
+            overall = {k: v for k, v in s.items() if k != "by_category"}
+            print(json.dumps({"run": str(run), **overall}, default=str))
     return 0
 
 
