@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from specflow.acceptance import StandardAcceptor  # noqa: E402
+from specflow.cpu import probe_cpu, resolve_dtype  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
@@ -68,9 +68,10 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     ap.add_argument(
-        "--drafter-dtype", default="float32",
-        help="the draft model's dtype, ours and HF's assistant alike (bfloat16: lossless, "
-        "the target verifies)",
+        "--drafter-dtype", default="auto",
+        help="the draft model's dtype, ours and HF's assistant alike (auto: bfloat16 where "
+        "this CPU multiplies it natively, else float32 -- specflow/cpu.py; lossless either "
+        "way, the target verifies)",
     )
     ap.add_argument(
         "--prompts", type=int, default=None,
@@ -97,6 +98,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    caps = probe_cpu()
+    print(f"CPU: {caps.describe()}", flush=True)
+    args.drafter_dtype = str(resolve_dtype(args.drafter_dtype)).removeprefix("torch.")
     target = load_model(args.target)
     drafter = load_model(args.drafter, dtype=args.drafter_dtype) if args.drafter else None
     hf_target = hf_copy(args.target, args.shared_hf)
@@ -193,6 +197,7 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
     # per (method, prompt): [tokens, seconds] summed over repeats (the per-category tables)
     per_prompt: dict[str, list[list[float]]] = {m: [[0, 0.0] for _ in prompts] for m in methods}
+    started = time.perf_counter()
     for rep in range(args.repeats):
         tokens = dict.fromkeys(methods, 0)
         seconds = dict.fromkeys(methods, 0.0)
@@ -200,6 +205,17 @@ def main() -> None:
             order = list(methods) if (rep + i) % 2 == 0 else list(reversed(methods))
             for name in order:
                 out, secs = methods[name](prompt)
+                ref_out = outputs["ours_ar"][i] if len(outputs["ours_ar"]) > i else None
+                same = "" if ref_out is None or name == "ours_ar" or rep else (
+                    "  same as ours_ar" if out == ref_out else "  DIFFERS from ours_ar"
+                )
+                print(
+                    f"[repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompts)} "
+                    f"{requests[i].category}] {name:<22} {len(out):4d} tokens {secs:7.2f} s "
+                    f"{len(out) / secs:7.2f} tok/s{same}  (elapsed "
+                    f"{time.perf_counter() - started:.0f} s)",
+                    flush=True,
+                )
                 tokens[name] += len(out)
                 seconds[name] += secs
                 per_prompt[name][i][0] += len(out)
@@ -218,7 +234,7 @@ def main() -> None:
     ref = outputs["ours_ar"]
     print()
     print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"machine: {caps.describe()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print(
@@ -268,6 +284,7 @@ def main() -> None:
             json.dumps(
                 {
                     "args": vars(args),
+                    "cpu": caps.as_dict(),
                     "categories": [r.category for r in requests],
                     "per_repeat": per_repeat,
                     "median": med,

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specflow.cpu import check_cpu_weights, probe_cpu
 from specflow.errors import SpecflowError
 from specflow.graph import build_pipeline, instantiate_checked
 from specflow.results import RunFolder, results_fingerprint
@@ -40,10 +41,37 @@ def run_from_config(cfg: DictConfig, out: Path | None = None) -> dict[str, Any]:
         raise SystemExit(2) from None
 
 
+def model_configs(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every model config in a composed config, with its path: the mappings that carry a
+    model ``name`` and ``dtype`` (``model``, ``drafter.model``, a pool's arms...)."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    found: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        if isinstance(node.get("name"), str) and isinstance(node.get("dtype"), str):
+            found.append((path, node))
+        for key, value in node.items():
+            found += model_configs(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += model_configs(value, f"{path}[{i}]")
+    return found
+
+
+def check_models_fit_cpu(cfg: DictConfig) -> None:
+    """Refuse, before any model loads, a model config this CPU cannot run as asked
+    (``specflow.cpu.check_cpu_weights``: packing it cannot do, bf16 it cannot run)."""
+    for path, model in model_configs(cfg):
+        check_cpu_weights(model["name"], path, model["dtype"], model.get("packed_weights"))
+
+
 def _run(cfg: DictConfig, out: Path) -> dict[str, Any]:
     settings: RunSettings = OmegaConf.to_object(cfg.runner)  # checks every runner value
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    if settings.device == "cpu":
+        check_models_fit_cpu(cfg)
+    log.info("CPU: %s", probe_cpu().describe())
     pipeline = build_pipeline(cfg)
     from specflow.models.loading import load_model
 

@@ -11,15 +11,19 @@ from typing import Any
 
 import torch
 
+from specflow.cpu import probe_cpu
 from specflow.engine import SpeculativePipeline
 from specflow.state import SamplingParams
 
 
 def machine_description() -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on: the host, torch, and the CPU's capabilities as
+    probed once per process (``specflow.cpu.probe_cpu``: model, ISA level, AVX-512/BF16/AMX/
+    VNNI, oneDNN and whether it runs bf16)."""
     return {
         "host": platform.node(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": probe_cpu().as_dict(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -24,12 +24,13 @@ class ModelConfig:
     """A model: a registry name (``qwen2.5-coder-1.5b``...), a local HF folder or a hub id."""
 
     name: str = "smollm2-135m"
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bf16 where native on the CPU)
     backend: str = "auto"  # auto | native | hf
     trust_remote_code: bool = False
     exit_heads: str | None = None  # trained exit heads: a path, or "default" (train_heads/)
-    # oneDNN-packed matrices (native backend): null = on a CPU in fp32/bf16; false saves the
-    # packed copy's memory (about the model's size) at the cost of slower small matmuls.
+    # oneDNN-packed matrices (native backend): null = wherever this CPU's oneDNN runs the dtype
+    # (specflow/cpu.py; unpacked otherwise, logged); false saves the packed copy's memory
+    # (about the model's size) at the cost of slower multi-token matmuls.
     packed_weights: bool | None = None
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
+from specflow.cpu import probe_cpu
 from specflow.errors import ConfigError
 from specflow.models.attention import KVCache
 from specflow.models.hf_backend import HFBackendLM
@@ -139,17 +140,23 @@ def test_packed_weights_leave_hf_untouched(arch):
         outs.append(s.logits(N_LAYERS, 0, 24))
     assert_close(outs[0], outs[1], atol=1e-5)
     assert outs[0].argmax(-1).tolist() == outs[1].argmax(-1).tolist()
-    # Placed in bfloat16 on the CPU the copy is packed again; in float16 (not packed) dense.
+    # Placed in bfloat16 on the CPU the copy is packed again where oneDNN runs bf16 (not on
+    # an AVX2-only CPU: tests/test_cpu_probe.py); in float16 (never packed) dense.
     bf16 = lm.to("cpu", torch.bfloat16)
-    assert bf16.packed and dense(bf16.layers[1].wqkv).dtype == torch.bfloat16
+    assert bf16.packed == probe_cpu().can_pack(torch.bfloat16)
+    assert dense(bf16.layers[1].wqkv).dtype == torch.bfloat16
     fp16 = lm.to("cpu", torch.float16)
     assert not fp16.packed and fp16.layers[1].wqkv.dtype == torch.float16
 
 
 def test_packed_weights_refused_where_unavailable():
     hf = tiny_hf_model("qwen2", num_layers=N_LAYERS).to(torch.float16)
-    with pytest.raises(ConfigError, match="packed_weights=false"):
+    with pytest.raises(ConfigError) as err:
         NativeLM.from_hf(hf, tiny_model_info(hf, "tiny"), packed=True)
+    assert str(err.value) == (
+        "tiny: packed_weights=true with float16: only float32 and bfloat16 matrices are "
+        "packed, not float16; set packed_weights=null or false"
+    )
 
 
 # ---------------------------------------------------------------- (b) session blocks

@@ -22,17 +22,13 @@ from typing import Any
 
 import torch
 
+from specflow.cpu import check_cpu_weights, resolve_dtype
 from specflow.errors import ConfigError, ModelNotFoundError
 from specflow.models.base import LayeredLM, ModelInfo, check_same_tokenizer  # noqa: F401 (re-export)
 from specflow.models.registry import REGISTRY
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 BACKENDS = ("auto", "native", "hf")
 
 
@@ -271,22 +267,28 @@ def load_model(
             installed), a local folder (HF folder with config.json, or a folder / path of a
             .gguf file), or a Hugging Face hub id (only works where the hub is reachable or
             the model is in the local HF cache).
-        dtype: ``float32`` (default), ``bfloat16`` or ``float16``.
+        dtype: ``float32`` (default), ``bfloat16``, ``float16``, or ``auto``: bfloat16 where
+            this CPU multiplies it natively, else float32 (``specflow.cpu``).
         backend: ``auto`` (native when supported, else HF), ``native`` or ``hf``.
         trust_remote_code: passed to transformers; leave False unless you trust the source.
         cache_dir: the specflow cache for registry models (default ``$SPECFLOW_CACHE`` or
             ``~/.cache/specflow``).
         packed_weights: native backend: multiply with oneDNN-packed copies of the weights
             (``NativeLM`` doc; faster on CPU, extra memory about the model's size).  ``None``:
-            packed on a CPU in float32 or bfloat16 when this torch has oneDNN.
+            packed wherever this CPU's oneDNN runs the dtype (``specflow.cpu.probe_cpu``),
+            else unpacked with one INFO line saying why.  ``True`` where it cannot pack is a
+            ``ConfigError`` before the weights load.
 
     Raises:
         ModelNotFoundError: the value resolves to nothing loadable (the message lists the
             registry names) or a registry model's packages are missing.
-        ConfigError: a bad dtype/backend, or ``native`` forced on an unsupported model.
+        ConfigError: a bad dtype/backend, ``native`` forced on an unsupported model, or
+            ``packed_weights=True`` that this CPU cannot pack.
     """
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    torch_dtype = resolve_dtype(dtype)  # a clear error for an unknown name
+    dtype = str(torch_dtype).removeprefix("torch.")  # auto -> what it resolved to
+    if packed_weights:
+        check_cpu_weights(name_or_path, "", dtype, packed_weights)
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     path = Path(name_or_path).expanduser()
@@ -295,7 +297,7 @@ def load_model(
     if key in _MODELS:
         return _MODELS[key]
 
-    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     hf_model, tokenizer = _load_source(name_or_path, kwargs, cache_dir)
     hf_model.eval()
     hf_model.requires_grad_(False)

@@ -26,6 +26,7 @@ Attention is causal *lower-right aligned*: query ``s+i`` sees keys ``<= s+i``.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -33,12 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specflow import cpu
 from specflow.errors import ConfigError, PromptTooLongError
 from specflow.models.attention import KVCache
 from specflow.models.base import LayerBatch, ModelInfo
 
 if TYPE_CHECKING:
     from specflow.paged.cache import PagedKVCache
+
+log = logging.getLogger("specflow")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -97,15 +101,11 @@ class _Layer:
     b_down: torch.Tensor | None  # [H]
 
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch can pack weights for oneDNN on ``device`` / ``dtype`` (a CPU,
-    float32 or bfloat16)."""
-    return (
-        device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
-    )
+    """Whether oneDNN can pack and multiply ``dtype`` weights on ``device``: a CPU whose
+    probe (``specflow.cpu.probe_cpu``) says so -- float32 wherever oneDNN is usable,
+    bfloat16 only where oneDNN runs bf16 (AVX-512 or avx_ne_convert; not on AVX2-only)."""
+    return device.type == "cpu" and cpu.probe_cpu().can_pack(dtype)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -236,13 +236,18 @@ class NativeLM:
             raise ConfigError(f"{info.name}: NativeLM does not support this model: {why}")
         base = hf_model.model
         embed_w = base.embed_tokens.weight
+        device, dtype = embed_w.device, embed_w.dtype
         if packed is None:
-            packed = packing_available(embed_w.device, embed_w.dtype)
-        elif packed and not packing_available(embed_w.device, embed_w.dtype):
+            packed = packing_available(device, dtype)
+            if not packed and device.type == "cpu":
+                log.info("%s: unpacked weights (%s)", info.name,
+                         cpu.probe_cpu().why_not_pack(dtype))
+        elif packed and not packing_available(device, dtype):
+            why = (cpu.probe_cpu().why_not_pack(dtype) if device.type == "cpu"
+                   else f"the weights are on {device.type}, not a CPU")
             raise ConfigError(
-                f"{info.name}: packed weights need a CPU model in float32 or bfloat16 and a "
-                f"torch with oneDNN (this one: {embed_w.device.type}, {embed_w.dtype}, oneDNN "
-                f"{torch.backends.mkldnn.is_available()}); set packed_weights=false"
+                f"{info.name}: packed_weights=true with {str(dtype).removeprefix('torch.')}: "
+                f"{why}; set packed_weights=null or false"
             )
 
         def fused(*modules: nn.Module) -> torch.Tensor:  # [sum(out_i), in]

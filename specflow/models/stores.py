@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specflow.cpu import DTYPE_NAMES
 from specflow.errors import ConfigError
 from specflow.models.base import LayeredLM
 from specflow.models.session import ModelSession
@@ -30,7 +31,7 @@ from specflow.paged.cache import PagedKVCache
 from specflow.paged.static import MODES, StaticDecoder
 
 LAYOUTS = ("contiguous", "paged")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = DTYPE_NAMES  # declared once, in specflow.cpu
 
 
 def as_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
