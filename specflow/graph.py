@@ -229,7 +229,8 @@ def _mentions(node: Any, wanted: Mapping) -> bool:
 
 
 def build_pipeline(cfg: Any) -> SpeculativePipeline:
-    """The pipeline a composed run config describes (``method``, stages, ``k``)."""
+    """The pipeline a composed run config describes: ``method`` and its stages (the draft
+    length is the drafter's ``k``, shaped per round by ``draft_length``)."""
     check_selector_used(cfg)
     drafter = instantiate_checked("drafter", cfg.get("drafter"))
     intermediate = instantiate_checked("intermediate_verifier", cfg.get("intermediate_verifier"))

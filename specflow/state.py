@@ -1,6 +1,7 @@
 """Decoding state and the glossary every stage and metric uses.
 
-Glossary (see ``shared/methods.md``):
+Glossary (the one place these terms are defined; the README's "What a run writes" uses
+them):
 
 - **round**: one draft -> (intermediate verify) -> target verify -> accept cycle.  Plain
   decoding is a pipeline whose rounds draft nothing (k = 0).

@@ -166,7 +166,7 @@ class PoolDrafter:
         for i, st in enumerate(states):
             arm = self.selector.select(self._request.get(st).bandit)
             groups.setdefault(arm, []).append(i)
-        drafts: list[Draft] = [Draft([])] * len(states)
+        drafts: list[Draft] = [Draft([]) for _ in states]  # one object per request
         for arm, idx in groups.items():
             drafter = self.arms[arm]
             switched = [i for i in idx if self._request.get(states[i]).last != arm]

@@ -1,7 +1,7 @@
 """Layering: the core (``specflow/``) never imports ``callbacks``, ``stages`` or ``train_heads``.
 
 The core meets those packages only through config (``_target_`` strings) and protocols
-(``../shared/architecture.md``).  Every ``.py`` under ``specflow/`` is parsed with ``ast`` (not
+(the README's "How it works").  Every ``.py`` under ``specflow/`` is parsed with ``ast`` (not
 imported), so a forbidden import anywhere, even inside a function, fails here.
 """
 

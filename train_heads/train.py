@@ -12,6 +12,14 @@ Steps (each timed and written to ``<run dir>/report.md`` and ``metrics.json``):
    (``specflow.models.exit_heads.attach_heads`` + ``lm.head``);
 6. save the heads (safetensors + metadata) to the run dir and, with ``output.install``, to
    ``~/.cache/specflow/heads/<model>/heads.safetensors`` where specflow finds them.
+
+Several processes (``trainer=ddp_cpu``, or ``trainer.devices=8 trainer.strategy=ddp`` on a
+GPU node, ``+launcher=slurm`` across nodes): Lightning starts one process per device, each
+running this job with ``LOCAL_RANK``/``RANK`` set (under SLURM, one task per device).  Rank 0
+builds the data cache (the others wait for its file, ``data.wait_for_cache_s``), evaluates,
+and alone writes heads, checkpoints, logs and reports; every rank trains on its shard of
+the batches (DistributedSampler) and the gradients are all-reduced (gloo on CPU, NCCL on
+GPUs).  Each rank logs to its own file in the run dir (``train_ddp_process_<r>.log``).
 """
 
 from __future__ import annotations
@@ -82,9 +90,33 @@ def load_prompts(data: DictConfig, loaded: Any) -> list[Prompt]:
     raise ConfigError(f"data.source={data.source!r} is unknown; use specbench or random")
 
 
+def process_rank() -> int:
+    """This process's global rank as the launcher set it (``RANK``, ``SLURM_PROCID``, or
+    ``LOCAL_RANK`` with ``NODE_RANK`` = 0); 0 in a single-process job."""
+    for var in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return int(os.environ.get("LOCAL_RANK") or 0)
+
+
+def _wait_for_cache(directory: Path, layers: list[int], timeout_s: float) -> Path:
+    """A non-zero rank: wait for rank 0 to write the cache (polling every 2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while (found := find_cached(directory, layers)) is None:
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"rank {process_rank()}: no hidden-state cache under {directory} after "
+                f"{timeout_s:.0f} s (rank 0 builds it); raise data.wait_for_cache_s or build "
+                "it first with a single-process run (trainer.devices=1)"
+            )
+        time.sleep(2.0)
+    return found
+
+
 def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Prompt]
               ) -> tuple[HiddenCache, dict[str, Any]]:
-    """Load the cache for (model, data config) holding ``layers``, or build and save it."""
+    """Load the cache for (model, data config) holding ``layers``, or build and save it
+    (rank 0 only: the other ranks wait for it)."""
     lm, info = loaded.lm, loaded.info
     data = cfg.data
     key_parts = {
@@ -92,10 +124,15 @@ def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Pro
         "dtype": str(getattr(lm, "dtype", "")),
         "data": OmegaConf.to_container(data, resolve=True),
     }
-    for k in ("batch_size", "val_max_rows", "cache_dir", "gen_batch_size"):
+    for k in ("batch_size", "val_max_rows", "cache_dir", "gen_batch_size", "wait_for_cache_s"):
         key_parts["data"].pop(k, None)
     directory = Path(data.cache_dir).expanduser() / Path(info.name).name / cache_key(key_parts)
     found = find_cached(directory, layers + [info.num_layers])
+    if found is None and process_rank() != 0:
+        log.info("rank %d: waiting for rank 0's hidden-state cache in %s", process_rank(),
+                 directory)
+        found = _wait_for_cache(directory, layers + [info.num_layers],
+                                float(data.get("wait_for_cache_s", 3600)))
     if found is not None:
         log.info("loading cached hidden states %s", found)
         return HiddenCache.load(found, layers), {"cache": str(found), "built": False}
@@ -172,6 +209,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
+    rank = process_rank()
 
     t0 = time.perf_counter()
     if loaded is None:
@@ -182,7 +220,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     lm, info = loaded.lm, loaded.info
     if not hasattr(lm, "lm_head"):
         raise ConfigError(f"{info.name}: exit heads need the native backend")
-    saved_heads, lm.exit_heads = dict(lm.exit_heads), {}
+    saved_heads, saved_path = dict(lm.exit_heads), lm.exit_heads_path
+    lm.set_exit_heads({})
     try:
         layers = resolve_layers(cfg.layers, info.num_layers)
         prompts = load_prompts(cfg.data, loaded)
@@ -194,9 +233,11 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         log.info("layers %s; %d rows (%d train rows), skip %d", layers, cache.num_rows,
                  int(cache.rows(0, skip=skip).numel()), skip)
 
-        t0 = time.perf_counter()
-        before = evaluate_exits(lm.head, cache, layers, cfg.eval_k, skip)
-        times["eval_before_s"] = time.perf_counter() - t0
+        before = None
+        if rank == 0:  # the other ranks only train
+            t0 = time.perf_counter()
+            before = evaluate_exits(lm.head, cache, layers, cfg.eval_k, skip)
+            times["eval_before_s"] = time.perf_counter() - t0
 
         heads = {
             layer: ExitHead(info.hidden_size, cfg.head.head_type, cfg.head.rank, lm.eps,
@@ -224,6 +265,13 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         trainer.fit(module, dm)
         times["train_s"] = time.perf_counter() - t0
+        log.info("rank %d of %d: trained %d steps in %.1f s", trainer.global_rank,
+                 trainer.world_size, trainer.global_step, times["train_s"])
+        if not trainer.is_global_zero:
+            log.info("rank %d: done; rank 0 writes heads, checkpoints and reports",
+                     trainer.global_rank)
+            return {"rank": trainer.global_rank, "world_size": trainer.world_size,
+                    "train_steps": int(trainer.global_step), "times_s": times}
         if ckpt is not None and ckpt.best_model_path:
             state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=False)
             module.load_state_dict(state["state_dict"])
@@ -245,6 +293,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             "eval_prompt_ids": [p.prompt_id for p in prompts if p.split == 1],
             "train_steps": int(trainer.global_step), "peak_rss_gb": _peak_rss_gb(),
             "threads": torch.get_num_threads(),
+            "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__,
         }
         extra = {k: result[k] for k in ("before", "after", "train_steps", "train_rows",
                                          "eval_prompt_ids", "times_s")}
@@ -266,7 +315,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         print(table)
         return result
     finally:
-        lm.exit_heads = saved_heads
+        lm.set_exit_heads(saved_heads, saved_path)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

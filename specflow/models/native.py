@@ -6,8 +6,9 @@ full attention in every layer; ``supports(config)`` says why anything else is re
 
 The weights are the HF model's own tensors (shared, same dtype); only the fused q/k/v and
 gate/up matrices are new (one matmul instead of three/two per layer, measured faster at
-batch 1).  On a CPU with oneDNN (fp32 or bf16), the matrices are instead *packed*: copied once into
-oneDNN's blocked layout and multiplied by ``mkldnn._linear_pointwise``.  Measured on the
+batch 1).  On a CPU whose oneDNN runs the model's dtype (fp32 anywhere; bf16 only with AVX-512
+or avx_ne_convert: ``specflow.cpu.probe_cpu``), the matrices are instead *packed*: copied once
+into oneDNN's blocked layout and multiplied by ``mkldnn._linear_pointwise``.  Measured on the
 2-core AVX2 box (Qwen2.5-1.5B shapes, 28 layers streamed, ms per matmul): the gate/up matrix
 at 1 row 4.99 -> 3.82, at 5 rows 9.22 -> 3.34; the LM head at 5 rows 87 -> 35.  MKL's
 small-M sgemm is far from the memory bound there, so verifying k+1 tokens cost 1.6-2x a

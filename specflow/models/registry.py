@@ -189,11 +189,6 @@ REGISTRY: dict[str, RegistryEntry] = {
 }
 
 
-def registry_names() -> list[str]:
-    """The registry names, in table order."""
-    return list(REGISTRY)
-
-
 def get_entry(name: str) -> RegistryEntry:
     """The entry called ``name``; ``ConfigError`` listing the known names otherwise."""
     try:

@@ -53,10 +53,6 @@ class BlockAllocator:
         self.promised = 0  # blocks promised to admitted sequences but not allocated yet
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def num_used(self) -> int:
         return len(self._used)
 

@@ -1,0 +1,140 @@
+"""Past one machine, exercised here (issue 26): sweeps through submitit's local executor and a
+persistent Optuna search, each through the real ``run.py`` on SmolLM2-135M.
+
+- submitit: Hydra's ``submitit_local`` launcher runs the same pickling, job folders, logs and
+  result collection as ``+launcher=slurm``, with local processes instead of SLURM jobs;
+- Optuna: 3 trials of ``+hparams_search=fly_optuna`` with a SQLite study; a search killed
+  after its first trial continues the same study when run again.
+
+(Multi-process head training: ``train_heads/tests/test_ddp.py``.)
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m"
+# One math question, a few tokens, no warm-up: each job takes seconds.
+TINY_RUN = [
+    f"model={MODEL}", "workload.categories=[math_reasoning]", "workload.limit=1",
+    "workload.max_turns=1", "runner.max_new_tokens=8", "runner.warmup=false",
+    "runner.threads=1", "callbacks=none",
+]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_prepared():
+    from specflow.models.prepare import is_prepared
+
+    if not is_prepared(MODEL):
+        pytest.skip(f"{MODEL} is not prepared (bash scripts/setup.sh)")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+
+
+def _run_py(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_submitit_local_sweep_collects_every_job_and_reports_the_failed_one(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    # three jobs, each its own process: k = 2 and 4 run; k = 0 fails inside its job
+    proc = _run_py("-m", "+launcher=submitit_local", "+experiment=pld", *TINY_RUN,
+                   "drafter.k=2,4,0", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert jobs == ["0_drafter.k=2", "1_drafter.k=4", "2_drafter.k=0"]
+    for ok in jobs[:2]:
+        assert (sweep / ok / "summary.json").is_file() and (sweep / ok / "requests.jsonl").is_file()
+    assert not (sweep / jobs[2] / "summary.json").exists()
+    error = (sweep / jobs[2] / "error.txt").read_text()
+    assert "drafter.k must be >= 1, got 0" in error
+    # submitit's own job folders: one per job, with its pickled result and logs
+    submitit_dirs = [p for p in (sweep / ".submitit").iterdir() if p.is_dir()]
+    assert len(submitit_dirs) == 3
+    for d in submitit_dirs:
+        names = {p.name for p in d.iterdir()}
+        assert any(n.endswith("_result.pkl") for n in names), names
+        assert any(n.endswith("_log.out") for n in names), names
+
+    with (sweep / "sweep_summary.csv").open() as f:
+        rows = {r["job"]: r for r in csv.DictReader(f)}
+    assert set(rows) == set(jobs)
+    for ok in jobs[:2]:
+        assert rows[ok]["complete"] == "True" and float(rows[ok]["throughput/speedup"]) > 0
+        assert rows[ok]["quality/fidelity"] == "1.0"
+        assert rows[ok]["error"] == ""
+    assert "drafter.k must be >= 1, got 0" in rows[jobs[2]]["error"]
+    assert "FAILED: " in (sweep / "sweep_summary.txt").read_text()
+    assert (sweep / "sweep_pareto.png").stat().st_size > 0
+
+
+def _optuna_args(storage: str, sweep: Path, n_trials: int) -> list[str]:
+    return [
+        "+experiment=fly_self", "+hparams_search=fly_optuna", *TINY_RUN,
+        f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=test_study",
+        f"hydra.sweeper.n_trials={n_trials}", "hydra.sweeper.sampler.n_startup_trials=2",
+        f"hydra.sweep.dir={sweep}",
+    ]
+
+
+def _complete_trials(storage: str) -> list:
+    import optuna
+
+    study = optuna.load_study(study_name="test_study", storage=storage)
+    return [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+
+
+def test_optuna_search_persists_and_resumes_after_a_kill(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    db = tmp_path / "studies" / "test.db"  # its folder does not exist yet
+    storage = f"sqlite:///{db}"
+
+    # 1. a search of 3 trials, killed (SIGKILL) once its first trial is in the study
+    first = subprocess.Popen([sys.executable, "run.py", *_optuna_args(storage, tmp_path / "a", 3)],
+                             cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and first.poll() is None:
+            if db.exists() and _complete_trials(storage):
+                break
+            time.sleep(0.5)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    done = _complete_trials(storage)
+    assert 1 <= len(done) < 3, "the search finished before it could be killed"
+
+    # 2. the same command again continues the same study: 2 more trials, best over all
+    proc = _run_py(*_optuna_args(storage, tmp_path / "b", 2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = _complete_trials(storage)
+    assert len(trials) == len(done) + 2
+    assert {t.number for t in done} <= {t.number for t in trials}  # the killed run's trials kept
+    best = max(trials, key=lambda t: t.value)
+    results = yaml.safe_load((tmp_path / "b" / "optimization_results.yaml").read_text())
+    assert results["best_value"] == pytest.approx(best.value)
+    assert results["best_params"] == best.params
+    assert set(best.params) == {"acceptor.theta", "acceptor.window"}
+    with (tmp_path / "b" / "sweep_summary.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
