@@ -31,7 +31,6 @@ The choices (measured per ISA level by ``scripts/bench_cpu_dtypes.py``; table in
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import platform
 from dataclasses import asdict, dataclass
@@ -41,8 +40,6 @@ from typing import Any
 import torch
 
 from specflow.errors import ConfigError
-
-log = logging.getLogger("specflow")
 
 # The ISA caps that make this process behave as an AVX2-only CPU would (oneDNN, ATen, MKL).
 AVX2_ONLY_ENV = {

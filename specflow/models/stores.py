@@ -31,18 +31,19 @@ from specflow.paged.cache import PagedKVCache
 from specflow.paged.static import MODES, StaticDecoder
 
 LAYOUTS = ("contiguous", "paged")
-DTYPES = DTYPE_NAMES  # declared once, in specflow.cpu
 
 
 def as_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
-    """``None`` -> ``default``; a name of ``DTYPES`` -> that dtype."""
+    """``None`` -> ``default``; a name of ``DTYPE_NAMES`` (specflow.cpu) -> that dtype."""
     if dtype is None:
         return default
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(
+            f"dtype={dtype!r} is not supported; use one of {sorted(DTYPE_NAMES)}"
+        )
+    return DTYPE_NAMES[dtype]
 
 
 @dataclass(frozen=True)
