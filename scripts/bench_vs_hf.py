@@ -43,6 +43,7 @@ from specflow.workload import SpecBench  # noqa: E402
 from stages.draft_length import AdaptiveDraftLength  # noqa: E402
 from stages.exact_acceptor import ExactAcceptor  # noqa: E402
 from stages.fallback_drafter import FallbackDrafter  # noqa: E402
+from stages.feature_drafter import FeatureDrafter  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
 from stages.model_drafter import ModelDrafter  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
@@ -90,6 +91,13 @@ def main() -> None:
     ap.add_argument(
         "--shared-hf", action="store_true", help="HF reuses specflow's HF model objects"
     )
+    ap.add_argument(
+        "--feature-head", default=None,
+        help="a feature-head file (train_heads head=feature), or 'default': adds ours_feature "
+        "(k = --feature-k), ours_feature_adaptive and ours_feature_k<N> for --feature-ks",
+    )
+    ap.add_argument("--feature-k", type=int, default=4)
+    ap.add_argument("--feature-ks", type=int, nargs="*", default=[])
     ap.add_argument("--only", nargs="*", default=None, help="subset of method names to run")
     ap.add_argument("--out", default=None, help="write the raw measurements as JSON here")
     args = ap.parse_args()
@@ -156,9 +164,26 @@ def main() -> None:
             draft_length=AdaptiveDraftLength(),
         )
 
+    if args.feature_head:
+        def feature(k: int) -> FeatureDrafter:
+            return FeatureDrafter(target.lm, head=args.feature_head, k=k)
+
+        ours["ours_feature"] = SpeculativePipeline(
+            verifier, ExactAcceptor(), drafter=feature(args.feature_k)
+        )
+        ours["ours_feature_adaptive"] = SpeculativePipeline(
+            verifier, ExactAcceptor(), drafter=feature(max(args.feature_ks + [args.feature_k])),
+            draft_length=AdaptiveDraftLength(),
+        )
+        for k in args.feature_ks:
+            ours[f"ours_feature_k{k}"] = SpeculativePipeline(
+                verifier, ExactAcceptor(), drafter=feature(k)
+            )
+
     def run_ours(pipe: SpeculativePipeline) -> Callable[[list[int]], tuple[list[int], float]]:
         def go(prompt: list[int]) -> tuple[list[int], float]:
             gen = pipe.generate(prompt, args.max_new_tokens, stop_token_ids=eos)
+            last_stats[0] = gen.stats
             return gen.tokens, gen.total_s
 
         return go
@@ -181,6 +206,7 @@ def main() -> None:
 
         return go
 
+    last_stats: list = [None]
     methods: dict[str, Callable] = {name: run_ours(p) for name, p in ours.items()}
     methods["hf_ar"] = run_hf()
     methods["hf_pld"] = run_hf(prompt_lookup_num_tokens=10)
@@ -197,6 +223,8 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
     # per (method, prompt): [tokens, seconds] summed over repeats (the per-category tables)
     per_prompt: dict[str, list[list[float]]] = {m: [[0, 0.0] for _ in prompts] for m in methods}
+    # per (method, prompt): [rounds, accepted] of ours (tau = 1 + accepted / rounds)
+    per_prompt_rounds: dict[str, list[list[int]]] = {m: [[0, 0] for _ in prompts] for m in ours}
     started = time.perf_counter()
     for rep in range(args.repeats):
         tokens = dict.fromkeys(methods, 0)
@@ -204,7 +232,12 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             order = list(methods) if (rep + i) % 2 == 0 else list(reversed(methods))
             for name in order:
+                last_stats[0] = None
                 out, secs = methods[name](prompt)
+                stats = last_stats[0]
+                if stats is not None:
+                    per_prompt_rounds[name][i][0] += stats.rounds
+                    per_prompt_rounds[name][i][1] += stats.accepted
                 ref_out = outputs["ours_ar"][i] if len(outputs["ours_ar"]) > i else None
                 same = "" if ref_out is None or name == "ours_ar" or rep else (
                     "  same as ours_ar" if out == ref_out else "  DIFFERS from ours_ar"
@@ -212,7 +245,9 @@ def main() -> None:
                 print(
                     f"[repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompts)} "
                     f"{requests[i].category}] {name:<22} {len(out):4d} tokens {secs:7.2f} s "
-                    f"{len(out) / secs:7.2f} tok/s{same}  (elapsed "
+                    f"{len(out) / secs:7.2f} tok/s"
+                    + (f" tau {stats.tau:.2f}" if stats is not None else "")
+                    + f"{same}  (elapsed "
                     f"{time.perf_counter() - started:.0f} s)",
                     flush=True,
                 )
@@ -265,6 +300,19 @@ def main() -> None:
                 f"{rate(m, c):7.2f} {rate(m, c) / rate('ours_ar', c):5.2f}x" for c in categories
             ]
             print(f"{m:<20}" + "".join(f"{cell:>15}" for cell in cells))
+
+        def tau(m: str, cat: str | None = None) -> float:
+            rows = [per_prompt_rounds[m][i] for i, r in enumerate(requests)
+                    if cat is None or r.category == cat]
+            n = sum(r for r, _ in rows)
+            return 1 + sum(a for _, a in rows) / n if n else float("nan")
+
+        print("\nper category: tau (tokens per target call); last column pooled")
+        print(f"{'method':<20}" + "".join(f"{c[:13]:>15}" for c in categories) + f"{'all':>8}")
+        for m in per_prompt_rounds:
+            if m in methods:
+                print(f"{m:<20}" + "".join(f"{tau(m, c):>15.2f}" for c in categories)
+                      + f"{tau(m):>8.2f}")
     pairs = [
         ("ours_ar", "hf_ar"),
         ("ours_sps", "hf_sps"),
@@ -274,6 +322,10 @@ def main() -> None:
         ("ours_pld_sps", "hf_sps"),
         ("ours_pld_sps", "hf_pld"),
         ("ours_pld_sps_adaptive", "hf_sps"),
+        ("ours_feature", "hf_sps"),
+        ("ours_feature", "hf_pld"),
+        ("ours_feature_adaptive", "hf_sps"),
+        ("ours_feature_adaptive", "hf_pld"),
     ]
     print()
     for a, b in pairs:
@@ -289,6 +341,8 @@ def main() -> None:
                     "per_repeat": per_repeat,
                     "median": med,
                     "per_prompt": per_prompt,
+                    "per_prompt_rounds": per_prompt_rounds,
+                    "prompt_ids": [r.request_id for r in requests],
                     "same_tokens": {
                         m: [a == b for a, b in zip(outputs[m], ref, strict=True)] for m in methods
                     },

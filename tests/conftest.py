@@ -111,3 +111,32 @@ class NoopCallback:
 
     def on_run_end(self, summary, folder) -> None:
         pass
+
+
+def train_tiny_feature_head(lm, path, steps: int = 80, seed: int = 0):
+    """A feature head for the tiny ``lm``, trained for ``steps`` Adam steps on the model's
+    own greedy answers to random prompts (``train_heads`` data path and loss), saved to
+    ``path``; returns ``(head, training sequences)``."""
+    from specflow.models.feature_head import FeatureHead, save_feature_head
+    from train_heads.feature_data import FeatureSequences
+    from train_heads.feature_module import collate, feature_losses
+    from train_heads.generate import generate_with_hidden
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = lm.info.vocab_size
+    prompts = [torch.randint(1, vocab, (6,), generator=gen).tolist() for _ in range(24)]
+    gens = generate_with_hidden(lm, prompts, [], 20, 12, (), progress=False)
+    data = FeatureSequences.from_generated(gens, lm.info.num_layers)
+    torch.manual_seed(seed)
+    head = FeatureHead.from_target(lm, torch.arange(vocab))
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    batch = collate(data, list(range(data.num_seqs)), skip=0)
+    for _ in range(steps):
+        out = feature_losses(head, batch, lm.embed_weight.detach(), lm.final_norm, lm.lm_head,
+                             lm.eps, reg_weight=1.0, kl_weight=1.0, depth=2)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+    head.eval().requires_grad_(False)
+    save_feature_head(path, head, lm.info, extra={"test": True})
+    return head, data

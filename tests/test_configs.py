@@ -34,13 +34,29 @@ def deep_tiny():
     return make_pair("llama", seed=5, num_layers=28)
 
 
+@pytest.fixture(scope="module")
+def deep_tiny_feature_head(deep_tiny, tmp_path_factory):
+    """An (untrained) feature head file for the deep tiny model."""
+    import torch
+
+    from specflow.models.feature_head import FeatureHead, save_feature_head
+
+    lm = deep_tiny[1]
+    path = tmp_path_factory.mktemp("fh") / "feature_head.safetensors"
+    head = FeatureHead.from_target(lm, torch.arange(lm.info.vocab_size))
+    return save_feature_head(path, head, lm.info)
+
+
 @pytest.fixture
-def tiny_models(monkeypatch, deep_tiny):
-    """Every model name resolves to the tiny model (no real weights, no exit heads needed)."""
+def tiny_models(monkeypatch, deep_tiny, deep_tiny_feature_head):
+    """Every model name resolves to the tiny model (no real weights, no exit heads needed;
+    the default feature head is one made for it)."""
     hf, lm = deep_tiny
     loaded = LoadedModel(lm=lm, tokenizer=None, hf_model=hf, info=lm.info)
     monkeypatch.setattr("specflow.models.loading.load_model", lambda *a, **k: loaded)
     monkeypatch.setattr("specflow.models.resolve.attach_exit_heads", lambda *a, **k: None)
+    monkeypatch.setattr("stages.feature_drafter.default_feature_head_path",
+                        lambda name: deep_tiny_feature_head)
     return loaded
 
 

@@ -20,6 +20,7 @@ from stages.draft_length import AdaptiveDraftLength
 from stages.early_exit_verifier import EarlyExitVerifier
 from stages.exact_acceptor import ExactAcceptor
 from stages.fallback_drafter import FallbackDrafter
+from stages.feature_drafter import FeatureDrafter
 from stages.fixed_selector import FixedSelector
 from stages.fly_acceptor import FlyAcceptor
 from stages.full_verifier import FullVerifier
@@ -31,7 +32,7 @@ from stages.rejection_acceptor import RejectionAcceptor
 from stages.round_robin_selector import RoundRobinSelector
 from stages.single_selector import SingleSelector
 from stages.ucb_selector import DiscountedUCBSelector, UCBSelector
-from tests.conftest import hf_greedy, make_pair, two_token_law
+from tests.conftest import hf_greedy, make_pair, train_tiny_feature_head, two_token_law
 
 PROMPTS = [
     [1, 5, 9, 17, 33, 5, 9],
@@ -61,7 +62,15 @@ def drafter():
     return make_pair("llama", seed=1, num_layers=2)
 
 
-def build(method: str, lm, draft_lm) -> SpeculativePipeline:
+@pytest.fixture(scope="module")
+def feature_head(target, tmp_path_factory) -> str:
+    """A feature head for the target, trained on its own greedy answers (a few seconds)."""
+    path = tmp_path_factory.mktemp("feature") / "feature_head.safetensors"
+    train_tiny_feature_head(target[1], path)
+    return str(path)
+
+
+def build(method: str, lm, draft_lm, feature_head: str | None = None) -> SpeculativePipeline:
     """The pipeline a method's experiment config composes, on tiny models."""
 
     def pipe(drafter=None, acceptor=None, **kw) -> SpeculativePipeline:
@@ -102,6 +111,11 @@ def build(method: str, lm, draft_lm) -> SpeculativePipeline:
         }
         selector = SELECTORS[method.removeprefix("metasd_")]()
         return pipe(PoolDrafter(arms, selector))
+    if method == "feature":
+        return pipe(FeatureDrafter(lm, head=feature_head, k=3))
+    if method == "feature_adaptive":
+        return pipe(FeatureDrafter(lm, head=feature_head, k=5),
+                    draft_length=AdaptiveDraftLength())
     if method == "fly_theta1":  # the normalized gate shut: FLy is exact acceptance
         return pipe(ModelDrafter(draft_lm, k=4), FlyAcceptor(theta=1.0, window=2))
     raise ValueError(method)
@@ -118,6 +132,8 @@ METHODS = [
     "layer_skip",
     *(f"metasd_{name}" for name in SELECTORS),
     "fly_theta1",
+    "feature",
+    "feature_adaptive",
 ]
 
 
@@ -136,9 +152,10 @@ def decode(pipe, batch_size: int, kind: str, prompts, max_new: int, sampling=Non
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("method", METHODS)
-def test_every_pipeline_equals_hf_greedy(method, batch_size, kind, target, drafter):
+def test_every_pipeline_equals_hf_greedy(method, batch_size, kind, target, drafter,
+                                        feature_head):
     hf, lm = target
-    pipe = build(method, lm, drafter[1])
+    pipe = build(method, lm, drafter[1], feature_head)
     gens, sched = decode(pipe, batch_size, kind, PROMPTS, MAX_NEW)
     assert [g.tokens for g in gens] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
     assert max(sched.stats.occupancy) == batch_size
@@ -175,15 +192,16 @@ def test_min_confidence_stops_drafts_at_every_batch_size(target, drafter):
 # ---------------------------------------------------------------- sampling
 
 
-def test_sampling_follows_the_target_law_at_batch_three(target, drafter):
-    """Two sampled tokens, batch 3 (paged), rejection sampling with a draft model: the
-    joint law of the output is the target's (chi-square), and each request draws exactly
-    what it draws at batch 1 for its seed."""
+@pytest.mark.parametrize("which", ["model", "feature"])
+def test_sampling_follows_the_target_law_at_batch_three(which, target, drafter, feature_head):
+    """Two sampled tokens, batch 3 (paged), rejection sampling with a draft model or a
+    feature head: the joint law of the output is the target's (chi-square), and each
+    request draws exactly what it draws at batch 1 for its seed."""
     _, lm = target
     sampling = SamplingParams(temperature=1.0, top_k=3)
-    pipe = SpeculativePipeline(
-        FullVerifier(lm), RejectionAcceptor(), drafter=ModelDrafter(drafter[1], k=2)
-    )
+    draft = (ModelDrafter(drafter[1], k=2) if which == "model"
+             else FeatureDrafter(lm, head=feature_head, k=2))
+    pipe = SpeculativePipeline(FullVerifier(lm), RejectionAcceptor(), drafter=draft)
     prompt = [1, 5, 9]
     law = two_token_law(lm, prompt, sampling)
     trials = 900

@@ -220,6 +220,10 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     lm, info = loaded.lm, loaded.info
     if not hasattr(lm, "lm_head"):
         raise ConfigError(f"{info.name}: exit heads need the native backend")
+    if cfg.head.get("job"):  # another kind of head with its own job (head=feature)
+        result = hydra.utils.get_method(cfg.head.job)(cfg, loaded, out_dir)
+        result.setdefault("times_s", {})["load_model_s"] = times["load_model_s"]
+        return result
     saved_heads, saved_path = dict(lm.exit_heads), lm.exit_heads_path
     lm.set_exit_heads({})
     try:

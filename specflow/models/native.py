@@ -202,6 +202,7 @@ class NativeLM:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.eps = rms_eps
+        self.rope_theta = rope_theta
         self.scale = head_dim**-0.5
         self.hidden_size = embed_weight.shape[1]
         self.dtype = embed_weight.dtype
@@ -374,6 +375,7 @@ class NativeLM:
                 max_positions=1,
                 head_weight=pack(lm_head) if repack else None,
             )
+            moved.rope_theta = self.rope_theta
             moved.cos = self.cos.to(device=device, dtype=dtype)
             moved.sin_signed = self.sin_signed.to(device=device, dtype=dtype)
             moved.exit_heads = {

@@ -87,6 +87,9 @@ class ModelSession:
         # contiguous block(s) the last layer computed, trimmed at every set_tokens.
         self.final_hidden: torch.Tensor | None = None
         self.final_start = 0
+        # The first position whose h_N a feature drafter still has to read (None: nobody
+        # reads h_N beyond the current round; see ``retain_final_from``).
+        self.final_floor: int | None = None
         self.layer_evals = 0  # sum over layers of positions processed (for reuse tests/metrics)
 
     def release(self) -> None:
@@ -114,8 +117,11 @@ class ModelSession:
         keep = common_prefix_length(self.tokens, tokens)
         self.truncate(keep)
         self.tokens = list(tokens)
-        # Last-layer outputs before the new last token are never asked for again.
+        # Last-layer outputs before the new last token are never asked for again, except
+        # by a feature drafter that has not read them yet (``final_floor``).
         first_needed = len(tokens) - 1
+        if self.final_floor is not None:
+            first_needed = min(first_needed, self.final_floor)
         if self.final_hidden is not None and self.final_start < first_needed:
             drop = first_needed - self.final_start
             self.final_hidden = self.final_hidden[drop:] if drop < len(self.final_hidden) else None
@@ -146,6 +152,26 @@ class ModelSession:
         if self.final_hidden is not None:
             rows = n - self.final_start
             self.final_hidden = self.final_hidden[:rows] if rows > 0 else None
+
+    def retain_final_from(self, position: int) -> None:
+        """Keep the last layer's outputs ``h_N`` from ``position`` on across rounds until
+        they are read (a feature drafter reads the target's features of every committed
+        position, also after rounds it did not draft in)."""
+        self.final_floor = position
+
+    def final_features(self, start: int, end: int) -> torch.Tensor:
+        """``h_N [end-start, H]`` of positions ``[start, end)``, as the last layer computed
+        them (they must still be kept: see ``retain_final_from``; ``RuntimeError`` if not)."""
+        have = 0 if self.final_hidden is None else self.final_hidden.shape[0]
+        if end > start and not (self.final_start <= start and end <= self.final_start + have):
+            raise RuntimeError(
+                f"h_N of positions [{start}, {end}) is not kept (kept: [{self.final_start}, "
+                f"{self.final_start + have})); call retain_final_from({start}) before the "
+                "target computes them"
+            )
+        if end <= start:
+            return self._empty()
+        return self.final_hidden[start - self.final_start : end - self.final_start]
 
     # ---------------------------------------------------------------- compute
     def hidden(self, exit_layer: int, end: int) -> tuple[torch.Tensor, int]:

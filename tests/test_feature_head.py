@@ -1,0 +1,140 @@
+"""The feature (EAGLE-style) draft head: training path = inference path, it learns, files,
+errors, and the drafter stage (lossless at batch 1 and 3 is in ``test_one_engine``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError, ModelNotFoundError
+from specflow.models.feature_head import (
+    FeatureDraftModel,
+    FeatureHead,
+    load_feature_head,
+    read_feature_head_metadata,
+)
+from stages.exact_acceptor import ExactAcceptor
+from stages.feature_drafter import FeatureDrafter
+from stages.full_verifier import FullVerifier
+from tests.conftest import hf_greedy, make_pair, train_tiny_feature_head
+from train_heads.feature_module import collate, feature_losses
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return make_pair("qwen2", seed=2, num_layers=4)  # q/k/v biases, GQA
+
+
+@pytest.fixture(scope="module")
+def trained(qwen, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fh") / "feature_head.safetensors"
+    head, data = train_tiny_feature_head(qwen[1], path)
+    return path, head, data
+
+
+def test_inference_step_computes_the_training_forward(qwen, trained):
+    """``FeatureDraftModel.step`` (one-layer NativeLM, packed weights, KV cache, rows fed in
+    two blocks) gives the training forward's outputs."""
+    _, lm = qwen
+    _, head, data = trained
+    tok, feats, _ = data.seq(0)
+    t = len(tok) - 2
+    emb = F.embedding(tok[1 : t + 1], lm.embed_weight.detach()).float()
+    want = head(feats[None, :t], emb[None], torch.ones(1, t, dtype=torch.bool))[0][0]
+    dm = FeatureDraftModel(head, lm)
+    kv = dm.new_cache(t + 4)
+    a = dm.step(feats[:5], tok[1:6], [(kv, 5)])
+    b = dm.step(feats[5:t], tok[6 : t + 1], [(kv, t - 5)])
+    torch.testing.assert_close(torch.cat([a, b]), want, rtol=1e-4, atol=1e-4)
+    assert kv.length == t
+
+
+def test_second_step_of_training_is_the_drafting_chain(qwen, trained):
+    """Step 2 of the training forward at row p (its own prediction from row p-1 fed back,
+    target-feature keys of rows < p) = the drafter's second step after the target's
+    features of rows [0, p)."""
+    _, lm = qwen
+    _, head, data = trained
+    tok, feats, _ = data.seq(1)
+    t, p = len(tok) - 2, 7
+    emb = F.embedding(tok[1 : t + 1], lm.embed_weight.detach()).float()
+    steps = head(feats[None, :t], emb[None], torch.ones(1, t, dtype=torch.bool), depth=2)
+    dm = FeatureDraftModel(head, lm)
+    kv = dm.new_cache(t + 4)
+    first = dm.step(feats[:p], tok[1 : p + 1], [(kv, p)])[-1:]  # f^_p from row p-1
+    second = dm.step(first, tok[p + 1 : p + 2], [(kv, 1)])  # row p, predicted input
+    torch.testing.assert_close(first[0], steps[0][0, p - 1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second[0], steps[1][0, p], rtol=1e-4, atol=1e-4)
+
+
+def test_training_raises_agreement(qwen, trained):
+    _, lm = qwen
+    _, head, data = trained
+    batch = collate(data, list(range(data.num_seqs)), skip=0)
+    args = (batch, lm.embed_weight.detach(), lm.final_norm, lm.lm_head, lm.eps)
+    untrained = FeatureHead.from_target(lm, torch.arange(lm.info.vocab_size))
+    before = feature_losses(untrained, *args)
+    after = feature_losses(head, *args)
+    assert float(after["agree"]) > float(before["agree"]) + 0.3
+    assert float(after["kl"]) < float(before["kl"])
+
+
+def test_file_round_trip_and_wrong_model(qwen, trained, tmp_path):
+    _, lm = qwen
+    path, head, _ = trained
+    meta = read_feature_head_metadata(path)
+    assert meta["base_model"] == lm.info.name and meta["draft_vocab_size"] == lm.info.vocab_size
+    loaded = load_feature_head(path, lm.info)
+    for (k, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a.to(b.dtype), b), k
+    other = make_pair("qwen2", seed=5, num_layers=4)[1]
+    with pytest.raises(ConfigError, match="head=feature model="):
+        load_feature_head(path, other.info)
+    with pytest.raises(ModelNotFoundError, match="python -m train_heads.train head=feature"):
+        FeatureDrafter(lm, head=str(tmp_path / "none.safetensors"))
+
+
+def test_drafter_accepts_and_matches_hf_greedy(qwen, trained):
+    """A trained head's drafts are accepted on prompts like its training data (tau > 1.5)
+    and the output is HF greedy on those and on others."""
+    hf, lm = qwen
+    path, _, _ = trained
+    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(),
+                               drafter=FeatureDrafter(lm, head=str(path), k=4))
+    _, _, data = trained
+    prompts = [data.seq(i)[0][: data.seq(i)[2]].tolist() for i in (0, 1)]  # trained on
+    for p in prompts + [[3, 9, 4, 1, 7]]:
+        gen = pipe.generate(p, 20)
+        assert gen.tokens == hf_greedy(hf, p, 20)
+    for p in prompts:
+        assert pipe.generate(p, 20).stats.tau > 1.5
+
+
+def test_drafter_sitting_out_rounds_reads_the_features_later(qwen, trained):
+    """Rounds without drafting (k = 0) keep the target's features; the next draft reads
+    them (the session's ``retain_final_from``) and the output stays exact."""
+
+    hf, lm = qwen
+    path, _, _ = trained
+
+    class EveryOther:
+        def begin(self, state):
+            state.locals[self] = 0
+
+        def choose(self, state, k_max):
+            state.locals[self] = n = state.locals[self] + 1
+            return k_max if n % 2 else 0
+
+        def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0):
+            pass
+
+    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(),
+                               drafter=FeatureDrafter(lm, head=str(path), k=3),
+                               draft_length=EveryOther())
+    _, _, data = trained
+    p = data.seq(0)[0][: data.seq(0)[2]].tolist()
+    gen = pipe.generate(p, 20)
+    assert gen.tokens == hf_greedy(hf, p, 20)
+    assert 0 in gen.stats.drafted_per_round and gen.stats.accepted > 0

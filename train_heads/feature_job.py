@@ -1,0 +1,234 @@
+"""``python -m train_heads.train head=feature``: train an EAGLE-style feature head.
+
+Phases (each timed into ``report.md`` / ``metrics.json``):
+
+1. data: the target answers the local-text training prompts and the held-out Spec-Bench
+   questions greedily, keeping ``h_N`` (``train_heads.feature_data``; chunked cache: a rerun
+   loads it, an interrupted run resumes);
+2. draft vocabulary: the most frequent tokens of the training sequences;
+3. evaluate the untrained head (initialised from the target's last layer) on the held-out
+   answers: agreement with the target's greedy tokens, KL, simulated τ at ``eval_k``;
+4. fit with Lightning (``FeatureHeadDistiller``);
+5. evaluate again, save ``feature_head.safetensors`` (+ ``.json``) to the run dir and, with
+   ``output.install``, to ``<cache>/heads/<model>/feature_head.safetensors``, where
+   ``drafter=feature`` finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specflow.models.feature_head import (
+    FeatureDraftModel,
+    FeatureHead,
+    default_feature_head_path,
+    save_feature_head,
+)
+from train_heads.feature_data import (
+    FeatureSequences,
+    data_key,
+    draft_vocabulary,
+    generate_chunked,
+)
+from train_heads.local_prompts import local_prompts
+from train_heads.prompts import shared_prefix, specbench_prompts
+
+log = logging.getLogger("train_heads")
+DATA_VERSION = 1
+
+
+def chat_ids(tokenizer: Any, content: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                        add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@torch.no_grad()
+def evaluate_head(head: FeatureHead, lm: Any, data: FeatureSequences, skip: int, k: int
+                  ) -> dict[str, float]:
+    """On held-out greedy answers: step-1 agreement with the target's greedy token and KL
+    (full vocabulary, target features as input), and τ of a simulated greedy speculative
+    decoding with drafts of ``k`` (the head drafts from its own features after step 1)."""
+    import torch.nn.functional as F
+
+    from train_heads.feature_module import collate
+
+    h = lm.hidden_size
+    agree = kl = rows = 0.0
+    for i in range(data.num_seqs):
+        b = collate(data, [i], skip)
+        emb = F.embedding(b.next_tokens, lm.embed_weight).float()
+        pred = head.float()(b.feats, emb, b.key_valid)[0][0]  # [T, H]
+        m = b.generated[0] & b.loss_mask[0]
+        if not m.any():
+            continue
+        xs = F.rms_norm(pred[m], (h,), lm.final_norm.float(), lm.eps)
+        xt = F.rms_norm(b.target_feats[0][m], (h,), lm.final_norm.float(), lm.eps)
+        ls = F.log_softmax(xs @ lm.lm_head.float().t(), -1)  # [R, V]
+        lt = F.log_softmax(xt @ lm.lm_head.float().t(), -1)
+        agree += float((ls.argmax(-1) == b.labels[0][m]).sum())
+        kl += float((lt.exp() * (lt - ls)).sum())
+        rows += float(m.sum())
+    tau = simulate_tau(head, lm, data, k)
+    return {"agreement": agree / max(rows, 1), "kl": kl / max(rows, 1), "tau": tau["tau"],
+            "accept_by_step": tau["accept_by_step"], "rows": rows}
+
+
+@torch.inference_mode()
+def simulate_tau(head: FeatureHead, lm: Any, data: FeatureSequences, k: int) -> dict[str, Any]:
+    """Greedy speculative decoding replayed along each held-out answer (the target's greedy
+    tokens are the answer itself): rounds of ``k`` drafts from ``FeatureDraftModel`` (the
+    inference path), accepted up to the first mismatch, plus the bonus token."""
+    dm = FeatureDraftModel(head, lm)
+    rounds = accepted = 0
+    hits = [0] * k
+    for i in range(data.num_seqs):
+        tok, feats, plen = data.seq(i)
+        tok = tok.tolist()
+        kv = dm.new_cache(len(tok) + k + 1)
+        n = plen
+        while n < len(tok):
+            start, end = kv.length, n - 1
+            out = dm.step(feats[start:end].to(lm.dtype), torch.tensor(tok[start + 1 : end + 1]),
+                          [(kv, end - start)])
+            pred = out[-1:]
+            a = 0
+            for j in range(min(k, len(tok) - n)):
+                d = int(dm.ids[dm.logits(pred).argmax(-1)])
+                if d != tok[n + j]:
+                    break
+                a += 1
+                hits[j] += 1
+                if j + 1 < k:
+                    pred = dm.step(pred, torch.tensor([d]), [(kv, 1)])
+            kv.truncate(n - 1)
+            rounds += 1
+            accepted += a
+            n += a + 1
+    return {"tau": 1 + accepted / max(rounds, 1),
+            "accept_by_step": [h / max(rounds, 1) for h in hits]}
+
+
+def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
+    """The ``head=feature`` job (module doc); returns the metrics also written to disk."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+
+    from train_heads.feature_module import FeatureDataModule, FeatureHeadDistiller
+    from train_heads.train import make_logger
+
+    lm, info, tok = loaded.lm, loaded.info, loaded.tokenizer
+    hc = cfg.head
+    times: dict[str, float] = {}
+    # ---------------------------------------------------------------- 1. data
+    t0 = time.perf_counter()
+    train_prompts = local_prompts(int(hc.data.num_prompts), seed=int(hc.data.seed))
+    train_ids = [ids for ids in (chat_ids(tok, p.content) for p in train_prompts)
+                 if len(ids) <= int(hc.data.max_prompt_tokens)]
+    held = [p for i, p in enumerate(specbench_prompts(tok, None, int(hc.data.eval_prompt_tokens)))
+            if i % int(hc.data.eval_every) == int(hc.data.eval_offset)]
+    key = data_key({"version": DATA_VERSION, "model": info.name,
+                    "weights": info.weights_fingerprint, "dtype": str(lm.dtype),
+                    "data": {k: v for k, v in OmegaConf.to_container(hc.data, resolve=True).items()
+                             if k != "num_prompts"}})  # chunks are a prefix-stable sequence
+    directory = Path(cfg.data.cache_dir).expanduser() / Path(info.name).name / f"feature-{key}"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "key.json").write_text(json.dumps(OmegaConf.to_container(hc.data), indent=2))
+    train, t_train = generate_chunked(lm, train_ids, directory, "train",
+                                      int(hc.data.max_new_tokens), int(hc.data.gen_batch_size),
+                                      int(hc.data.chunk), info.eos_token_ids, cfg.progress)
+    val, t_val = generate_chunked(lm, [p.ids for p in held], directory, "heldout",
+                                  int(hc.data.eval_max_new_tokens), int(hc.data.gen_batch_size),
+                                  int(hc.data.chunk), info.eos_token_ids, cfg.progress)
+    times["data_s"] = time.perf_counter() - t0
+    skip = shared_prefix(held)
+    n_train_rows = train.num_positions
+    log.info("data: %d training sequences, %d positions; %d held-out (%d positions); %s",
+             train.num_seqs, n_train_rows, val.num_seqs, val.num_positions, {**t_train, **t_val})
+    # ---------------------------------------------------------------- 2. vocabulary
+    vocab_ids, vocab_info = draft_vocabulary(train, int(hc.vocab_size), info.vocab_size,
+                                             info.eos_token_ids)
+    torch.manual_seed(int(cfg.seed))
+    head = FeatureHead.from_target(lm, vocab_ids)
+    # ---------------------------------------------------------------- 3. before
+    t0 = time.perf_counter()
+    before = evaluate_head(head, lm, val, skip, int(cfg.eval_k))
+    times["eval_before_s"] = time.perf_counter() - t0
+    log.info("before training: %s", before)
+    # ---------------------------------------------------------------- 4. fit
+    dm = FeatureDataModule(train, val, int(hc.batch_rows), skip, int(cfg.seed))
+    steps_per_epoch = len(dm.train_dataloader())
+    dm.epoch = 0
+    total = steps_per_epoch * int(cfg.trainer.max_epochs)
+    sub = lm.lm_head.index_select(0, vocab_ids)
+    module = FeatureHeadDistiller(head, lm.embed_weight, lm.final_norm, sub, float(lm.eps),
+                                  total_steps=total, **hc.loss, **hc.optim)
+    callbacks: list = [TQDMProgressBar(refresh_rate=1)] if cfg.progress else []
+    ckpt = ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val/loss",
+                           mode="min", save_last=False, save_top_k=1)
+    callbacks.append(ckpt)
+    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True),
+                        logger=make_logger(cfg.logger, out_dir), callbacks=callbacks,
+                        enable_progress_bar=bool(cfg.progress), default_root_dir=str(out_dir),
+                        reload_dataloaders_every_n_epochs=1)
+    t0 = time.perf_counter()
+    trainer.fit(module, dm)
+    times["train_s"] = time.perf_counter() - t0
+    if ckpt.best_model_path:
+        state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=False)
+        module.load_state_dict(state["state_dict"])
+    head = module.head.cpu().eval()
+    # ---------------------------------------------------------------- 5. after + save
+    t0 = time.perf_counter()
+    after = evaluate_head(head, lm, val, skip, int(cfg.eval_k))
+    times["eval_after_s"] = time.perf_counter() - t0
+    result = {
+        "model": info.name, "weights_fingerprint": info.weights_fingerprint,
+        "head": OmegaConf.to_container(hc, resolve=True), "before": before, "after": after,
+        "times_s": times, "data": {**t_train, **t_val, "cache": str(directory),
+                                   "train_sequences": train.num_seqs,
+                                   "train_positions": n_train_rows,
+                                   "heldout_sequences": val.num_seqs,
+                                   "heldout_positions": val.num_positions,
+                                   "source": "local-text prompts (train_heads.local_prompts), "
+                                             "answered greedily by the target"},
+        "vocab": vocab_info, "skip_prefix": skip, "train_steps": int(trainer.global_step),
+        "heldout_prompt_ids": [p.prompt_id for p in held],
+        "threads": torch.get_num_threads(),
+    }
+    extra = {k: result[k] for k in ("before", "after", "times_s", "data", "vocab",
+                                     "heldout_prompt_ids", "train_steps")}
+    path = save_feature_head(out_dir / "feature_head.safetensors", head, info, extra=extra)
+    result["head_path"] = str(path)
+    if cfg.output.install:
+        dest = Path(cfg.output.install_path or default_feature_head_path(info.name))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
+        shutil.copyfile(path.with_suffix(".json"), dest.with_suffix(".json"))
+        result["installed_path"] = str(dest)
+    (out_dir / "metrics.json").write_text(json.dumps(result, indent=2, default=str))
+    table = (
+        f"| head | agreement | KL (nats) | τ at k={cfg.eval_k} | accept by step |\n"
+        "|---|---|---|---|---|\n"
+        + "".join(
+            f"| {name} | {r['agreement']:.3f} | {r['kl']:.3f} | {r['tau']:.2f} | "
+            f"{', '.join(f'{a:.2f}' for a in r['accept_by_step'])} |\n"
+            for name, r in (("untrained (target's last layer)", before), ("trained", after))
+        )
+    )
+    (out_dir / "report.md").write_text(
+        f"# Feature head for {info.name}\n\n{table}\nData: {result['data']}\n\n"
+        f"Times (s): {json.dumps({k: round(v, 1) for k, v in times.items()})}\n")
+    print(table)
+    print("times (s):", {k: round(v, 1) for k, v in times.items()})
+    return result
