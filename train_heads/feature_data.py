@@ -93,8 +93,8 @@ class FeatureSequences:
 
 
 def generate_chunked(lm: Any, prompts: list[list[int]], directory: Path, name: str,
-                     max_new_tokens: int, batch_size: int, chunk: int, eos: tuple[int, ...],
-                     progress: bool = True) -> tuple[FeatureSequences, dict[str, float]]:
+                     max_new_tokens: int, batch_size: int, chunk: int, eos: tuple[int, ...]
+                     ) -> tuple[FeatureSequences, dict[str, float]]:
     """Answer ``prompts`` greedily with ``lm``, keeping ``h_N``; chunks of ``chunk`` prompts
     are saved as ``<directory>/<name>_<i>.safetensors`` and reused when present."""
     from train_heads.generate import generate_with_hidden
@@ -116,11 +116,10 @@ def generate_chunked(lm: Any, prompts: list[list[int]], directory: Path, name: s
         built_s += spent
         built_pos += part.num_positions
         parts.append(part)
-        if progress:
-            done = sum(p.num_positions for p in parts)
-            print(f"[data] {name} chunk {c + 1}/{num_chunks}: {part.num_positions} positions "
-                  f"in {spent:.0f} s ({1000 * spent / max(part.num_positions, 1):.1f} ms/pos); "
-                  f"{done} positions so far", flush=True)
+        done = sum(p.num_positions for p in parts)
+        log.info("[data] %s chunk %d/%d: %d positions in %.0f s (%.1f ms/position); %d so far",
+                 name, c + 1, num_chunks, part.num_positions, spent,
+                 1000 * spent / max(part.num_positions, 1), done)
     seqs = FeatureSequences.concat(parts)
     return seqs, {f"{name}_built_s": built_s, f"{name}_built_positions": built_pos}
 

@@ -119,6 +119,30 @@ def simulate_tau(head: FeatureHead, lm: Any, data: FeatureSequences, k: int) -> 
             "accept_by_step": [h / max(rounds, 1) for h in hits]}
 
 
+def plot_curve(curve: list[dict[str, float]], path: Path, model: str) -> None:
+    """Held-out agreement per drafting step against training positions seen."""
+    if not curve:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    xs = [c["positions_seen"] / 1000 for c in curve]
+    for key in sorted(k for k in curve[-1] if k.startswith("agree_")):
+        ax.plot(xs, [c.get(key, float("nan")) for c in curve], marker="o",
+                label=f"step {key.removeprefix('agree_')}")
+    ax.set_xlabel("training positions seen (thousands)")
+    ax.set_ylabel("held-out agreement")
+    ax.set_title(f"feature head, {model}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     """The ``head=feature`` job (module doc); returns the metrics also written to disk."""
     import lightning as L
@@ -146,10 +170,10 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     (directory / "key.json").write_text(json.dumps(OmegaConf.to_container(hc.data), indent=2))
     train, t_train = generate_chunked(lm, train_ids, directory, "train",
                                       int(hc.data.max_new_tokens), int(hc.data.gen_batch_size),
-                                      int(hc.data.chunk), info.eos_token_ids, cfg.progress)
+                                      int(hc.data.chunk), info.eos_token_ids)
     val, t_val = generate_chunked(lm, [p.ids for p in held], directory, "heldout",
                                   int(hc.data.eval_max_new_tokens), int(hc.data.gen_batch_size),
-                                  int(hc.data.chunk), info.eos_token_ids, cfg.progress)
+                                  int(hc.data.chunk), info.eos_token_ids)
     times["data_s"] = time.perf_counter() - t0
     skip = shared_prefix(held)
     n_train_rows = train.num_positions
@@ -180,7 +204,8 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True),
                         logger=make_logger(cfg.logger, out_dir), callbacks=callbacks,
                         enable_progress_bar=bool(cfg.progress), default_root_dir=str(out_dir),
-                        reload_dataloaders_every_n_epochs=1)
+                        reload_dataloaders_every_n_epochs=1,
+                        val_check_interval=float(hc.val_check_interval))
     t0 = time.perf_counter()
     trainer.fit(module, dm)
     times["train_s"] = time.perf_counter() - t0
@@ -204,8 +229,9 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
                                              "answered greedily by the target"},
         "vocab": vocab_info, "skip_prefix": skip, "train_steps": int(trainer.global_step),
         "heldout_prompt_ids": [p.prompt_id for p in held],
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "curve": module.curve,
     }
+    plot_curve(module.curve, out_dir / "agreement_vs_positions.png", info.name)
     extra = {k: result[k] for k in ("before", "after", "times_s", "data", "vocab",
                                      "heldout_prompt_ids", "train_steps")}
     path = save_feature_head(out_dir / "feature_head.safetensors", head, info, extra=extra)

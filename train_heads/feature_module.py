@@ -13,8 +13,9 @@ training rows; row ``p``:
     loss = reg_weight * SmoothL1(x^_{p+1}, x_{p+1}) + kl_weight * KL(p || q)
 
 averaged over rows past the shared chat-template prefix, and over ``depth`` drafting steps:
-step ``s > 1`` feeds the head its own predictions as drafting does (``FeatureHead.forward``).  ``feature_noise`` adds uniform
-noise of that relative size to the input features (EAGLE's robustness to its own errors).
+step ``s > 1`` feeds the head its own predictions as drafting does (``FeatureHead.forward``).
+``feature_noise`` adds uniform noise of that relative size to the input features (EAGLE's
+robustness to its own errors).
 """
 
 from __future__ import annotations
@@ -175,6 +176,8 @@ class FeatureHeadDistiller(L.LightningModule):
         self.warmup_steps, self.total_steps = warmup_steps, max(total_steps, 1)
         self.reg_weight, self.kl_weight, self.feature_noise = reg_weight, kl_weight, feature_noise
         self.depth = depth
+        self.seen = 0  # training positions (loss rows) seen so far
+        self.curve: list[dict[str, float]] = []  # per validation: positions seen, metrics
 
     def _losses(self, batch: FeatureBatch, noise: float) -> dict[str, torch.Tensor]:
         return feature_losses(self.head, batch, self.embed, self.final_norm, self.sub_weight,
@@ -185,6 +188,7 @@ class FeatureHeadDistiller(L.LightningModule):
 
     def training_step(self, batch: FeatureBatch, batch_idx: int) -> torch.Tensor:
         out = self._losses(batch, self.feature_noise)
+        self.seen += int(batch.loss_mask.sum())
         b = batch.feats.shape[0]
         for k in ("loss", "reg", "kl", "agree"):
             self.log(f"train/{k}", out[k], prog_bar=k in ("loss", "agree"), batch_size=b)
@@ -195,6 +199,14 @@ class FeatureHeadDistiller(L.LightningModule):
         b = batch.feats.shape[0]
         for k in ("loss", "reg", "kl", *(f"agree_{s}" for s in range(1, self.depth + 1))):
             self.log(f"val/{k}", out[k], prog_bar=k == "agree_1", batch_size=b)
+
+    def on_validation_epoch_end(self) -> None:
+        """Record the learning curve: held-out metrics against training positions seen."""
+        metrics = self.trainer.callback_metrics
+        point = {"positions_seen": float(self.seen), "step": float(self.global_step)}
+        point.update({k.removeprefix("val/"): float(v) for k, v in metrics.items()
+                      if k.startswith("val/")})
+        self.curve.append(point)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.head.parameters(), lr=self.lr,
