@@ -109,6 +109,8 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
             "exit_early": ModelDrafter(lm, k=3, exit_layer=2),
             "pld_model": pld_model(),
         }
+        if feature_head is not None:  # the target's own feature head as a fifth arm
+            arms["feature"] = FeatureDrafter(lm, head=feature_head, k=3)
         selector = SELECTORS[method.removeprefix("metasd_")]()
         return pipe(PoolDrafter(arms, selector))
     if method == "feature":
