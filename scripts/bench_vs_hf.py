@@ -183,7 +183,7 @@ def main() -> None:
     def run_ours(pipe: SpeculativePipeline) -> Callable[[list[int]], tuple[list[int], float]]:
         def go(prompt: list[int]) -> tuple[list[int], float]:
             gen = pipe.generate(prompt, args.max_new_tokens, stop_token_ids=eos)
-            last_stats[0] = gen.stats
+            last_stats[0] = gen
             return gen.tokens, gen.total_s
 
         return go
@@ -206,7 +206,7 @@ def main() -> None:
 
         return go
 
-    last_stats: list = [None]
+    last_stats: list = [None]  # the Generation of the latest ours call
     methods: dict[str, Callable] = {name: run_ours(p) for name, p in ours.items()}
     methods["hf_ar"] = run_hf()
     methods["hf_pld"] = run_hf(prompt_lookup_num_tokens=10)
@@ -225,6 +225,11 @@ def main() -> None:
     per_prompt: dict[str, list[list[float]]] = {m: [[0, 0.0] for _ in prompts] for m in methods}
     # per (method, prompt): [rounds, accepted] of ours (tau = 1 + accepted / rounds)
     per_prompt_rounds: dict[str, list[list[int]]] = {m: [[0, 0] for _ in prompts] for m in ours}
+    # per method of ours, pooled: seconds per stage and drafted tokens (the cost of a draft
+    # token and of a verification round)
+    stage_totals: dict[str, dict[str, float]] = {
+        m: dict.fromkeys(("prefill_s", "draft_s", "verify_s", "accept_s", "drafted",
+                          "accepted", "rounds"), 0.0) for m in ours}
     started = time.perf_counter()
     for rep in range(args.repeats):
         tokens = dict.fromkeys(methods, 0)
@@ -234,10 +239,16 @@ def main() -> None:
             for name in order:
                 last_stats[0] = None
                 out, secs = methods[name](prompt)
-                stats = last_stats[0]
-                if stats is not None:
+                gen = last_stats[0]
+                stats = None if gen is None else gen.stats
+                if gen is not None:
                     per_prompt_rounds[name][i][0] += stats.rounds
                     per_prompt_rounds[name][i][1] += stats.accepted
+                    tot = stage_totals[name]
+                    for key in ("prefill_s", "draft_s", "verify_s", "accept_s"):
+                        tot[key] += getattr(gen.times, key)
+                    for key in ("drafted", "accepted", "rounds"):
+                        tot[key] += getattr(stats, key)
                 ref_out = outputs["ours_ar"][i] if len(outputs["ours_ar"]) > i else None
                 same = "" if ref_out is None or name == "ours_ar" or rep else (
                     "  same as ours_ar" if out == ref_out else "  DIFFERS from ours_ar"
@@ -313,6 +324,15 @@ def main() -> None:
             if m in methods:
                 print(f"{m:<20}" + "".join(f"{tau(m, c):>15.2f}" for c in categories)
                       + f"{tau(m):>8.2f}")
+    print("\ntime per stage, pooled over prompts (ours): ms per drafted token, ms per "
+          "verification round, acceptance")
+    print(f"{'method':<24}{'draft ms/tok':>13}{'verify ms/round':>17}{'accept':>8}{'tau':>6}")
+    for m, tot in stage_totals.items():
+        if m in methods and tot["rounds"]:
+            per_tok = 1000 * tot["draft_s"] / tot["drafted"] if tot["drafted"] else float("nan")
+            acc = tot["accepted"] / tot["drafted"] if tot["drafted"] else float("nan")
+            print(f"{m:<24}{per_tok:>13.1f}{1000 * tot['verify_s'] / tot['rounds']:>17.1f}"
+                  f"{acc:>8.2f}{1 + tot['accepted'] / tot['rounds']:>6.2f}")
     pairs = [
         ("ours_ar", "hf_ar"),
         ("ours_sps", "hf_sps"),
@@ -342,6 +362,7 @@ def main() -> None:
                     "median": med,
                     "per_prompt": per_prompt,
                     "per_prompt_rounds": per_prompt_rounds,
+                    "stage_totals": stage_totals,
                     "prompt_ids": [r.request_id for r in requests],
                     "same_tokens": {
                         m: [a == b for a, b in zip(outputs[m], ref, strict=True)] for m in methods
