@@ -21,7 +21,12 @@ from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.pld_drafter import PLDDrafter
 from tests.conftest import CharTokenizer, NoopCallback
-from tests.test_configs import _compose, deep_tiny, tiny_models  # noqa: F401 - fixtures
+from tests.test_configs import (  # noqa: F401 - fixtures
+    _compose,
+    deep_tiny,
+    deep_tiny_feature_head,
+    tiny_models,
+)
 
 
 @pytest.mark.parametrize(
