@@ -129,7 +129,6 @@ class RoundStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-    target_calls: int = 0
     # Per named verification level (e.g. "intermediate", "target"): drafted and accepted.
     level_drafted: dict[str, int] = field(default_factory=dict)
     level_accepted: dict[str, int] = field(default_factory=dict)
@@ -144,6 +143,12 @@ class RoundStats:
     catchup_s: float = 0.0
 
     @property
+    def target_calls(self) -> int:
+        """Target-verifier calls: one per round, by definition (a nested level's calls of
+        its own verifier are that level's rounds)."""
+        return self.rounds
+
+    @property
     def tau(self) -> float:
         """Mean tokens committed per round, bonus included: ``1 + accepted / rounds``."""
         return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
@@ -155,7 +160,6 @@ class RoundStats:
     def record_round(self, level: str, drafted: int, accepted: int) -> None:
         """Count one verified round (one target call) at verification level ``level``."""
         self.rounds += 1
-        self.target_calls += 1
         self.drafted += drafted
         self.accepted += accepted
         self.drafted_per_round.append(drafted)
