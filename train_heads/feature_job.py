@@ -30,6 +30,7 @@ from specflow.models.feature_head import (
     FeatureDraftModel,
     FeatureHead,
     default_feature_head_path,
+    load_feature_head,
     save_feature_head,
 )
 from train_heads.feature_data import (
@@ -183,7 +184,13 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     vocab_ids, vocab_info = draft_vocabulary(train, int(hc.vocab_size), info.vocab_size,
                                              info.eos_token_ids)
     torch.manual_seed(int(cfg.seed))
-    head = FeatureHead.from_target(lm, vocab_ids)
+    if hc.get("init_from"):  # continue training a saved head (more epochs on cached data)
+        head = load_feature_head(hc.init_from, info).requires_grad_(True).train()
+        vocab_ids = head.vocab_ids
+        vocab_info = {**vocab_info, "draft_vocab_size": int(vocab_ids.numel()),
+                      "init_from": str(hc.init_from)}
+    else:
+        head = FeatureHead.from_target(lm, vocab_ids)
     # ---------------------------------------------------------------- 3. before
     t0 = time.perf_counter()
     before = evaluate_head(head, lm, val, skip, int(cfg.eval_k))
@@ -249,7 +256,8 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
         + "".join(
             f"| {name} | {r['agreement']:.3f} | {r['kl']:.3f} | {r['tau']:.2f} | "
             f"{', '.join(f'{a:.2f}' for a in r['accept_by_step'])} |\n"
-            for name, r in (("untrained (target's last layer)", before), ("trained", after))
+            for name, r in ((f"before: {hc.init_from}" if hc.get("init_from")
+                             else "untrained (target's last layer)", before), ("trained", after))
         )
     )
     (out_dir / "report.md").write_text(
