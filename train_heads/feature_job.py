@@ -40,18 +40,10 @@ from train_heads.feature_data import (
     generate_chunked,
 )
 from train_heads.local_prompts import local_prompts
-from train_heads.prompts import shared_prefix, specbench_prompts
+from train_heads.prompts import chat_ids, shared_prefix, specbench_prompts
 
 log = logging.getLogger("train_heads")
 DATA_VERSION = 1
-
-
-def chat_ids(tokenizer: Any, content: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                        add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 @torch.no_grad()

@@ -29,6 +29,15 @@ class Prompt:
     split: int
 
 
+def chat_ids(tokenizer: Any, content: str) -> list[int]:
+    """One user turn in the tokenizer's chat template, generation prompt added, as ids."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                        add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def _split(i: int, eval_every: int, eval_offset: int) -> int:
     return int(eval_every > 0 and i % eval_every == eval_offset)
 
@@ -53,12 +62,7 @@ def specbench_prompts(
         if max_prompt_tokens and len(ids) > max_prompt_tokens:
             content = tokenizer.decode(ids[:max_prompt_tokens])
         if chat_template and getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], add_generation_prompt=True,
-                tokenize=True,
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
+            ids = chat_ids(tokenizer, content)
         else:
             ids = tokenizer.encode(content)
         out.append(Prompt(str(d["question_id"]), d["category"], list(ids),

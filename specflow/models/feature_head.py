@@ -42,7 +42,6 @@ prompt ids, metrics); a ``.json`` sidecar repeats the metadata.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ from torch import nn
 from specflow.errors import ConfigError
 from specflow.models.attention import KVCache
 from specflow.models.base import LayerBatch, ModelInfo
-from specflow.models.exit_heads import check_base_model
+from specflow.models.exit_heads import check_base_model, default_heads_path
 from specflow.models.native import NativeLM, _Layer, dense, linear, pack, packing_available
 
 FORMAT = "specflow-feature-head"
@@ -207,10 +206,8 @@ class FeatureHead(nn.Module):
 
 # ---------------------------------------------------------------------- files
 def default_feature_head_path(model_name: str, cache_dir: str | Path | None = None) -> Path:
-    """``<cache>/heads/<model>/feature_head.safetensors`` (cache as for exit heads)."""
-    root = Path(cache_dir or os.environ.get("SPECFLOW_CACHE") or Path.home() / ".cache/specflow")
-    safe = Path(model_name).name if "/" in model_name else model_name
-    return root.expanduser() / "heads" / safe / "feature_head.safetensors"
+    """``<cache>/heads/<model>/feature_head.safetensors``, beside the model's exit heads."""
+    return default_heads_path(model_name, cache_dir).with_name("feature_head.safetensors")
 
 
 def save_feature_head(path: str | Path, head: FeatureHead, info: ModelInfo,
