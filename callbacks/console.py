@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from specflow.metrics import flatten_by_category, flatten_summary, stage_names
+from specflow.records import RequestRecord, RunMeta, RunSummary
 from specflow.results import format_table
 from specflow.workload import Request
 
@@ -21,13 +22,14 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def format_report(summary: dict[str, Any]) -> str:
+def format_report(summary: RunSummary) -> str:
     """The whole end-of-run report as text."""
     flat = flatten_summary(summary)
-    status = "complete" if summary.get("complete", True) else "INCOMPLETE (interrupted)"
+    status = "complete" if summary.complete else "INCOMPLETE (interrupted)"
+    method, target = summary.meta.method, summary.meta.target_model
     lines = [
-        f"== {summary.get('method', 'run')} on {summary.get('target_model', '?')}: "
-        f"{summary.get('num_requests', 0)} requests, {status}",
+        f"== {'run' if method is None else method} on {'?' if target is None else target}: "
+        f"{summary.overall.num_requests} requests, {status}",
         format_table(summary),
     ]
     levels = sorted(k for k in flat if k.startswith("accept/rate/"))
@@ -61,10 +63,10 @@ class ConsoleTable:
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
 
-    def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
+    def on_run_end(self, summary: RunSummary, folder: Path) -> None:
         print(format_report(summary), file=self.stream or sys.stdout, flush=True)
 
-    def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None:
+    def on_run_start(self, meta: RunMeta, num_requests: int) -> None:
         pass
 
     def on_request_start(self, request: Request) -> None:
@@ -73,5 +75,5 @@ class ConsoleTable:
     def on_round_end(self, request: Request, event: dict[str, int]) -> None:
         pass
 
-    def on_request_end(self, record: dict[str, Any]) -> None:
+    def on_request_end(self, record: RequestRecord) -> None:
         pass

@@ -21,6 +21,7 @@ from specflow.metrics import (
     flatten_summary,
     ordered_columns,
 )
+from specflow.records import RequestRecord, RunMeta, RunSummary
 from specflow.workload import Request
 
 
@@ -46,19 +47,19 @@ class CsvLogger:
         self.summary_file = summary_file
         self.rows: list[dict[str, Any]] = []
 
-    def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None:
+    def on_run_start(self, meta: RunMeta, num_requests: int) -> None:
         self.rows = []
 
-    def on_request_end(self, record: dict[str, Any]) -> None:
+    def on_request_end(self, record: RequestRecord) -> None:
         self.rows.append(
             {
-                "request_id": record.get("request_id"),
-                "category": record.get("category"),
+                "request_id": record.request_id,
+                "category": record.category,
                 **flatten_record(record),
             }
         )
 
-    def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
+    def on_run_end(self, summary: RunSummary, folder: Path) -> None:
         folder = Path(folder)
         write_csv(folder / self.requests_file, self.rows, ("request_id", "category"))
         rows = [{"category": c, **flat} for c, flat in flatten_by_category(summary).items()]

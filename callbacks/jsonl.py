@@ -17,6 +17,7 @@ from typing import Any
 
 from callbacks.folders import run_dir
 from specflow.metrics import flatten_by_category, flatten_record, flatten_summary
+from specflow.records import RequestRecord, RunMeta, RunSummary
 from specflow.workload import Request
 
 
@@ -40,7 +41,7 @@ class JsonlLogger:
                 f.write(json.dumps(e) + "\n")
         self.pending = []
 
-    def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None:
+    def on_run_start(self, meta: RunMeta, num_requests: int) -> None:
         folder = run_dir(meta, self.dir)
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
@@ -48,24 +49,24 @@ class JsonlLogger:
         self._write(
             {
                 "event": "run_start",
-                "method": meta.get("method"),
-                "target_model": meta.get("target_model"),
-                "models": meta.get("models"),
+                "method": meta.method,
+                "target_model": meta.target_model,
+                "models": meta.models,
                 "num_requests": num_requests,
             }
         )
 
-    def on_request_end(self, record: dict[str, Any]) -> None:
+    def on_request_end(self, record: RequestRecord) -> None:
         self._write(
             {
                 "event": "request",
-                "request_id": record.get("request_id"),
-                "category": record.get("category"),
+                "request_id": record.request_id,
+                "category": record.category,
                 **flatten_record(record),
             }
         )
 
-    def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
+    def on_run_end(self, summary: RunSummary, folder: Path) -> None:
         if self.path is None:
             self.path = Path(folder) / self.filename
         for cat, flat in flatten_by_category(summary).items():
@@ -73,8 +74,8 @@ class JsonlLogger:
         self._write(
             {
                 "event": "summary",
-                "method": summary.get("method"),
-                "complete": summary.get("complete"),
+                "method": summary.meta.method,
+                "complete": summary.complete,
                 **flatten_summary(summary),
             }
         )

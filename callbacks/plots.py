@@ -5,9 +5,9 @@
 - ``tau_hist.png``: tokens committed per round (``accepted_per_round + 1``) over all rounds.
 - ``time_per_stage.png``: milliseconds per generated token, stacked by stage
   (``time/<stage>_s``), per category and overall, next to plain decoding's ms/token.
-- ``arm_choices.png``: only when records carry ``metrics.arms`` (the arm a bandit selector
-  chose, per round): per category, each request's arm over its rounds, and each arm's
-  share of the category's requests at every round index.
+- ``arm_choices.png``: only when records carry pool metrics (``metrics.pool.arms``: the
+  arm a bandit selector chose, per round): per category, each request's arm over its
+  rounds, and each arm's share of the category's requests at every round index.
 
 Each ``plot_*`` function is usable alone (the wandb logger uses them); ``make_plots``
 draws every figure that has data and returns the written paths.
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specflow.metrics import flatten_by_category, flatten_summary, stage_names
+from specflow.records import RequestRecord, RunMeta, RunSummary
 from specflow.results import REQUESTS_FILE, read_records
 from specflow.workload import Request
 
@@ -42,7 +43,7 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def plot_speedup_by_category(summary: dict[str, Any], path: Path) -> Path | None:
+def plot_speedup_by_category(summary: RunSummary, path: Path) -> Path | None:
     """Speedup bars per category + ALL; ``None`` when there is no baseline."""
     rows = [(c, f.get("throughput/speedup")) for c, f in flatten_by_category(summary).items()]
     rows.append(("ALL", flatten_summary(summary).get("throughput/speedup")))
@@ -58,15 +59,16 @@ def plot_speedup_by_category(summary: dict[str, Any], path: Path) -> Path | None
     ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="plain decoding")
     ax.set_ylabel("throughput/speedup (x)")
-    ax.set_title(f"{summary.get('method', 'run')}: speedup over plain decoding")
+    method = summary.meta.method
+    ax.set_title(f"{'run' if method is None else method}: speedup over plain decoding")
     ax.legend(loc="upper right", fontsize=8)
     ax.tick_params(axis="x", labelrotation=30)
     return _save(fig, path)
 
 
-def plot_tau_hist(records: list[dict[str, Any]], path: Path) -> Path | None:
+def plot_tau_hist(records: list[RequestRecord], path: Path) -> Path | None:
     """Histogram of tokens per round (accepted + 1); ``None`` without rounds."""
-    taus = [a + 1 for r in records for a in r.get("metrics", {}).get("accepted_per_round", [])]
+    taus = [a + 1 for r in records for a in r.metrics.accepted_per_round]
     if not taus:
         return None
     plt = pyplot()
@@ -81,7 +83,7 @@ def plot_tau_hist(records: list[dict[str, Any]], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_time_per_stage(summary: dict[str, Any], path: Path) -> Path | None:
+def plot_time_per_stage(summary: RunSummary, path: Path) -> Path | None:
     """Stacked ms per generated token by stage, per category + ALL, with plain decoding."""
     groups = [*flatten_by_category(summary).items(), ("ALL", flatten_summary(summary))]
     groups = [(c, f) for c, f in groups if f.get("count/new_tokens")]
@@ -114,18 +116,18 @@ def plot_time_per_stage(summary: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_arm_choices(records: list[dict[str, Any]], path: Path) -> Path | None:
+def plot_arm_choices(records: list[RequestRecord], path: Path) -> Path | None:
     """The bandit's chosen arm over the rounds of a request, one column per category.
 
     Top: each request's arm per round (a step line, slightly offset per request).  Bottom:
     at each round index, the share of the category's requests that chose each arm.
-    ``None`` when no record carries ``metrics.arms``.
+    ``None`` when no record carries pool metrics.
     """
     by_cat: dict[str, list[list[int]]] = {}
     for r in records:
-        arms = r.get("metrics", {}).get("arms") or []
+        arms = r.metrics.pool.arms if r.metrics.pool is not None else []
         if arms:
-            by_cat.setdefault(str(r.get("category")), []).append(list(arms))
+            by_cat.setdefault(r.category, []).append(list(arms))
     if not by_cat:
         return None
     every = sorted({a for reqs in by_cat.values() for arms in reqs for a in arms})
@@ -156,7 +158,7 @@ def plot_arm_choices(records: list[dict[str, Any]], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def make_plots(summary: dict[str, Any], records: list[dict[str, Any]], folder: Path) -> list[Path]:
+def make_plots(summary: RunSummary, records: list[RequestRecord], folder: Path) -> list[Path]:
     """Every figure with data, written into ``folder``; the paths written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -169,7 +171,7 @@ def make_plots(summary: dict[str, Any], records: list[dict[str, Any]], folder: P
     return [p for p in written if p is not None]
 
 
-def run_records(folder: Path, fallback: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def run_records(folder: Path, fallback: list[RequestRecord]) -> list[RequestRecord]:
     """The run folder's records (resumed ones included), else ``fallback``."""
     path = Path(folder) / REQUESTS_FILE
     return read_records(path) if path.exists() else list(fallback)
@@ -181,16 +183,16 @@ class Plots:
     wants_rounds = False  # on_round_end is not needed after every round
 
     def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
+        self.records: list[RequestRecord] = []
         self.written: list[Path] = []
 
-    def on_request_end(self, record: dict[str, Any]) -> None:
+    def on_request_end(self, record: RequestRecord) -> None:
         self.records.append(record)
 
-    def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
+    def on_run_end(self, summary: RunSummary, folder: Path) -> None:
         self.written = make_plots(summary, run_records(folder, self.records), folder)
 
-    def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None:
+    def on_run_start(self, meta: RunMeta, num_requests: int) -> None:
         pass
 
     def on_request_start(self, request: Request) -> None:

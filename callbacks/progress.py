@@ -8,10 +8,10 @@ baseline runs) and ``tau`` (1 + accepted / rounds).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
+from specflow.records import RequestRecord, RunMeta, RunSummary
 from specflow.workload import Request
 
 
@@ -31,10 +31,10 @@ class ProgressBar:
         self.rounds = 0
         self.accepted = 0
 
-    def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None:
+    def on_run_start(self, meta: RunMeta, num_requests: int) -> None:
         self.bar = tqdm(
             total=num_requests,
-            desc=str(meta.get("method", "run")),
+            desc=str("run" if meta.method is None else meta.method),
             unit="req",
             leave=self.leave,
             disable=self.disable,
@@ -49,19 +49,20 @@ class ProgressBar:
         out["tau"] = f"{1 + self.accepted / max(self.rounds, 1):.2f}"
         return out
 
-    def on_request_end(self, record: dict[str, Any]) -> None:
-        m = record["metrics"]
-        self.tokens += m["new_tokens"]
-        self.seconds += m["total_s"]
-        self.rounds += m["rounds"]
-        self.accepted += m["accepted"]
-        self.base_tokens += m.get("baseline_tokens") or 0
-        self.base_seconds += m.get("baseline_s") or 0.0
+    def on_request_end(self, record: RequestRecord) -> None:
+        m = record.metrics
+        self.tokens += m.new_tokens
+        self.seconds += m.total_s
+        self.rounds += m.rounds
+        self.accepted += m.accepted
+        if m.baseline is not None:
+            self.base_tokens += m.baseline.baseline_tokens
+            self.base_seconds += m.baseline.baseline_s
         if self.bar is not None:
             self.bar.set_postfix(self.postfix())
             self.bar.update(1)
 
-    def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
+    def on_run_end(self, summary: RunSummary, folder: Path) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 from callbacks.csv_logger import write_csv
 from callbacks.plots import pyplot
 from specflow.metrics import KEY_METRICS, flatten_summary
+from specflow.records import RunSummary
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ ERROR_FILE = "error.txt"
 
 
 def objective(
-    summary: dict[str, Any],
+    summary: RunSummary,
     metric: str = "throughput/speedup",
     accuracy_floor: float | None = None,
 ) -> float | None:
@@ -101,9 +102,9 @@ def _row(job: Path, name: str) -> dict[str, Any]:
         row[key.lstrip("+~")] = value
     summary_path = job / "summary.json"
     if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
-        row["method"] = summary.get("method")
-        row["complete"] = summary.get("complete")
+        summary = RunSummary.from_json(json.loads(summary_path.read_text()))
+        row["method"] = summary.meta.method
+        row["complete"] = summary.complete
         row.update(flatten_summary(summary))
     error = job / ERROR_FILE
     if error.exists():

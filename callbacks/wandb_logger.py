@@ -27,6 +27,7 @@ from specflow.metrics import (
     flatten_summary,
     ordered_columns,
 )
+from specflow.records import RequestRecord, RunMeta, RunSummary
 from specflow.workload import Request
 
 
@@ -58,22 +59,26 @@ class WandbLogger:
         self.console = console
         self.run: Any = None
         self.step = 0
-        self.records: list[dict[str, Any]] = []
+        self.records: list[RequestRecord] = []
 
-    def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None:
+    def on_run_start(self, meta: RunMeta, num_requests: int) -> None:
         import wandb
 
         folder = run_dir(meta, self.dir)
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
-        config = dict(meta.get("config") or {})
+        config = dict(meta.config or {})
         config["meta"] = {
-            k: meta.get(k) for k in ("method", "target_model", "models", "machine", "started")
+            "method": meta.method,
+            "target_model": meta.target_model,
+            "models": meta.models,
+            "machine": meta.machine,
+            "started": meta.started,
+            "num_requests": num_requests,
         }
-        config["meta"]["num_requests"] = num_requests
         self.run = wandb.init(
             project=self.project,
-            name=self.name or meta.get("method"),
+            name=self.name or meta.method,
             tags=self.tags or None,
             mode=self.mode,
             dir=str(folder) if folder is not None else None,
@@ -84,28 +89,28 @@ class WandbLogger:
         )
         self.step = 0
 
-    def on_request_end(self, record: dict[str, Any]) -> None:
+    def on_request_end(self, record: RequestRecord) -> None:
         self.records.append(record)
         if self.run is None:
             return
         self.run.log(flatten_record(record), step=self.step)
         self.step += 1
 
-    def on_run_end(self, summary: dict[str, Any], folder: Path) -> None:
+    def on_run_end(self, summary: RunSummary, folder: Path) -> None:
         if self.run is None:
             return
         try:
             self._log_end(summary, Path(folder))
         finally:
-            self.run.finish(exit_code=0 if summary.get("complete", True) else 1)
+            self.run.finish(exit_code=0 if summary.complete else 1)
             self.run = None
 
-    def _log_end(self, summary: dict[str, Any], folder: Path) -> None:
+    def _log_end(self, summary: RunSummary, folder: Path) -> None:
         import wandb
 
         flat = flatten_summary(summary)
         self.run.summary.update(flat)
-        self.run.summary["run/method"] = summary.get("method")
+        self.run.summary["run/method"] = summary.meta.method
         by_cat = flatten_by_category(summary)
         rows = [{"category": c, **f} for c, f in by_cat.items()]
         rows.append({"category": "ALL", **flat})

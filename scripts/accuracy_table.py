@@ -26,7 +26,7 @@ from specflow.compare import load_summary  # noqa: E402
 from specflow.results import (  # noqa: E402
     REQUESTS_FILE,
     paired_counts,
-    read_records,
+    read_json_lines,
     wilson_interval,
 )
 
@@ -41,7 +41,7 @@ def _acc(k: float, n: int) -> str:
 def row(run: Path, s: dict[str, Any], plain_records: list[dict[str, Any]]) -> str:
     """One markdown table row for ``run`` with its (recomputed) summary ``s``; plain
     decoding's task scores come from the run itself, else from ``plain_records``."""
-    records = read_records(run / REQUESTS_FILE)
+    records = read_json_lines(run / REQUESTS_FILE)
     n = len(records)
     keys = sorted({k for r in records for k in r.get("task", {})})
     key = keys[0] if keys else None
@@ -58,7 +58,7 @@ def row(run: Path, s: dict[str, Any], plain_records: list[dict[str, Any]]) -> st
         pc = paired_counts(pairs)
         ratio = f"{method / plain:.2f}" if plain else "-"
         cells += [_acc(plain, n), ratio,
-                  f"{pc['plain_only']} / {pc['method_only']} (p = {pc['mcnemar_p']:.3g})"]
+                  f"{pc.plain_only} / {pc.method_only} (p = {pc.mcnemar_p:.3g})"]
     else:
         cells += ["-", "-", "-"]
     loose = (s.get("accepted_by_level") or {}).get(LOOSE, 0)
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a run of the same requests with plain decoding's task scores")
     parser.add_argument("--json", action="store_true", help="also print each recomputed summary")
     args = parser.parse_args(argv)
-    plain_records = read_records(args.plain_from / REQUESTS_FILE) if args.plain_from else []
-    summaries = [load_summary(run, recompute=True) for run in args.runs]
+    plain_records = read_json_lines(args.plain_from / REQUESTS_FILE) if args.plain_from else []
+    summaries = [load_summary(run, recompute=True).to_json() for run in args.runs]
     print(HEADER)
     for run, s in zip(args.runs, summaries, strict=True):
         print(row(run, s, plain_records))

@@ -27,14 +27,14 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repo root
 
+from specflow.acceptance import StandardAcceptor  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
+from specflow.kv.stores import KVLayout  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
-from specflow.models.stores import KVLayout  # noqa: E402
 from specflow.runner import build_prompt  # noqa: E402
-from specflow.scheduler import Scheduler, SeqRequest  # noqa: E402
+from specflow.scheduler import Scheduler, SeqRequest, generate  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
-from stages.exact_acceptor import ExactAcceptor  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
 
@@ -43,7 +43,7 @@ def engine(pipe: SpeculativePipeline, prompts: list[list[int]], tokens: int) -> 
     """Throughput of the batch-1 engine, one request after another."""
     t0 = time.perf_counter()
     for p in prompts:
-        pipe.generate(p, tokens, stop_token_ids=())
+        generate(pipe, p, tokens, stop_token_ids=())
     return len(prompts) * tokens / (time.perf_counter() - t0)
 
 
@@ -62,7 +62,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, backend="native")
+    loaded = load_model(args.model, dtype="float32", backend="native", trust_remote_code=False,
+                        packed_weights=None)
     lm = loaded.lm
     reqs = SpecBench(per_category=max(1, args.prompts // 6 + 1)).requests()[: args.prompts]
     settings = RunSettings()
@@ -82,7 +83,7 @@ def main() -> None:
     print(f"{'method':<8}{'kv':<12}{'batch':>7}{'tok/s':>10}{'vs b1':>8}{'vs engine':>11}")
     for method in ("ar", "pld"):
         drafter = PLDDrafter(k=8) if method == "pld" else None
-        pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
+        pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
         engine(pipe, prompts, args.tokens)  # warm-up
         eng = statistics.median(engine(pipe, prompts, args.tokens) for _ in range(args.repeats))
         print(f"{method:<8}{'':<12}{'engine':>7}{eng:>10.1f}{'':>8}{1.0:>11.2f}")

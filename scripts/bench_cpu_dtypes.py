@@ -41,11 +41,12 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from specflow.cpu import probe_cpu
+    from specflow.kv.session import ModelSession
     from specflow.models.loading import load_model
-    from specflow.models.session import ModelSession
 
     caps = probe_cpu()
-    lm = load_model(args.model, dtype=args.dtype, packed_weights=args.packed == "true").lm
+    lm = load_model(args.model, dtype=args.dtype, backend="auto", trust_remote_code=False,
+                    packed_weights=args.packed == "true").lm
     n_layers = lm.info.num_layers
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 1000, (args.context + 5,), generator=gen).tolist()

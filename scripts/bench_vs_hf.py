@@ -38,22 +38,25 @@ from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
 from specflow.runner import build_prompt  # noqa: E402
+from specflow.scheduler import generate  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
 from stages.draft_length import AdaptiveDraftLength  # noqa: E402
-from stages.exact_acceptor import ExactAcceptor  # noqa: E402
 from stages.fallback_drafter import FallbackDrafter  # noqa: E402
 from stages.feature_drafter import FeatureDrafter  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
 from stages.model_drafter import ModelDrafter  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
 
+# How the script loads models (besides the dtype), said here rather than left to defaults.
+SETTINGS = dict(backend="auto", trust_remote_code=False, packed_weights=None)
+
 
 def hf_copy(name: str, shared: bool, dtype: str = "float32"):
     """The HF model HF ``generate`` runs: a separately loaded copy, unless ``shared`` or
     specflow's model is packed (then specflow never touched the HF tensors: they keep HF's
     own layout, and a second copy would only cost memory)."""
-    loaded = load_model(name, dtype=dtype)
+    loaded = load_model(name, dtype=dtype, **SETTINGS)
     if shared or (isinstance(loaded.lm, NativeLM) and loaded.lm.packed):
         return loaded.hf_model
     from transformers import AutoModelForCausalLM
@@ -109,8 +112,9 @@ def main() -> None:
     caps = probe_cpu()
     print(f"CPU: {caps.describe()}", flush=True)
     args.drafter_dtype = str(resolve_dtype(args.drafter_dtype)).removeprefix("torch.")
-    target = load_model(args.target)
-    drafter = load_model(args.drafter, dtype=args.drafter_dtype) if args.drafter else None
+    target = load_model(args.target, dtype="float32", **SETTINGS)
+    drafter = (load_model(args.drafter, dtype=args.drafter_dtype, **SETTINGS)
+               if args.drafter else None)
     hf_target = hf_copy(args.target, args.shared_hf)
     hf_drafter = hf_copy(args.drafter, args.shared_hf, args.drafter_dtype) if drafter else None
     tok = target.tokenizer
@@ -128,22 +132,22 @@ def main() -> None:
     ours: dict[str, SpeculativePipeline] = {
         "ours_ar": SpeculativePipeline(verifier, StandardAcceptor()),
         "ours_pld": SpeculativePipeline(
-            verifier, ExactAcceptor(), drafter=PLDDrafter(k=args.pld_k)
+            verifier, StandardAcceptor(), drafter=PLDDrafter(k=args.pld_k)
         ),
         "ours_pld_adaptive": SpeculativePipeline(
             verifier,
-            ExactAcceptor(),
+            StandardAcceptor(),
             drafter=PLDDrafter(k=args.pld_k),
             draft_length=AdaptiveDraftLength(),
         ),
     }
     if drafter:
         ours["ours_sps"] = SpeculativePipeline(
-            verifier, ExactAcceptor(), drafter=ModelDrafter(drafter.lm, k=args.k)
+            verifier, StandardAcceptor(), drafter=ModelDrafter(drafter.lm, k=args.k)
         )
         ours["ours_sps_adaptive"] = SpeculativePipeline(
             verifier,
-            ExactAcceptor(),
+            StandardAcceptor(),
             drafter=ModelDrafter(drafter.lm, k=args.k),
             draft_length=AdaptiveDraftLength(),
         )
@@ -155,11 +159,11 @@ def main() -> None:
             )
 
         ours["ours_pld_sps"] = SpeculativePipeline(
-            verifier, ExactAcceptor(), drafter=pld_then_model()
+            verifier, StandardAcceptor(), drafter=pld_then_model()
         )
         ours["ours_pld_sps_adaptive"] = SpeculativePipeline(
             verifier,
-            ExactAcceptor(),
+            StandardAcceptor(),
             drafter=pld_then_model(),
             draft_length=AdaptiveDraftLength(),
         )
@@ -169,20 +173,20 @@ def main() -> None:
             return FeatureDrafter(target.lm, head=args.feature_head, k=k)
 
         ours["ours_feature"] = SpeculativePipeline(
-            verifier, ExactAcceptor(), drafter=feature(args.feature_k)
+            verifier, StandardAcceptor(), drafter=feature(args.feature_k)
         )
         ours["ours_feature_adaptive"] = SpeculativePipeline(
-            verifier, ExactAcceptor(), drafter=feature(max(args.feature_ks + [args.feature_k])),
+            verifier, StandardAcceptor(), drafter=feature(max(args.feature_ks + [args.feature_k])),
             draft_length=AdaptiveDraftLength(),
         )
         for k in args.feature_ks:
             ours[f"ours_feature_k{k}"] = SpeculativePipeline(
-                verifier, ExactAcceptor(), drafter=feature(k)
+                verifier, StandardAcceptor(), drafter=feature(k)
             )
 
     def run_ours(pipe: SpeculativePipeline) -> Callable[[list[int]], tuple[list[int], float]]:
         def go(prompt: list[int]) -> tuple[list[int], float]:
-            gen = pipe.generate(prompt, args.max_new_tokens, stop_token_ids=eos)
+            gen = generate(pipe, prompt, args.max_new_tokens, stop_token_ids=eos)
             last_stats[0] = gen
             return gen.tokens, gen.total_s
 

@@ -21,9 +21,9 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from specflow.models.base import ModelInfo  # noqa: E402
+from specflow.kv.base import ModelInfo  # noqa: E402
+from specflow.kv.session import ModelSession  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
-from specflow.models.session import ModelSession  # noqa: E402
 from specflow.models.tiny import tiny_hf_model, tiny_model_info  # noqa: E402
 
 

@@ -37,15 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
 import torch  # noqa: E402
 
+from specflow.acceptance import StandardAcceptor  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
+from specflow.kv.stores import KVLayout  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
-from specflow.models.stores import KVLayout  # noqa: E402
 from specflow.runner import build_prompt  # noqa: E402
 from specflow.scheduler import Scheduler, SeqRequest  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
 from stages.draft_length import AdaptiveDraftLength  # noqa: E402
-from stages.exact_acceptor import ExactAcceptor  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
 
@@ -60,7 +60,7 @@ def sync(device: str) -> None:
 def ours(lm, method: str, batch: int, prompts, args, eos, layout: KVLayout) -> dict:
     drafter = None if method == "ar" else PLDDrafter(k=8)
     policy = AdaptiveDraftLength() if method == "pld_adaptive" else None
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter, draft_length=policy)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter, draft_length=policy)
     max_context = max(map(len, prompts)) + args.tokens + 16
     sched = Scheduler(pipe, batch, layout, max_context=max_context)
     reqs = [SeqRequest(p, args.tokens, stop_token_ids=eos, tag=i) for i, p in enumerate(prompts)]
@@ -134,7 +134,8 @@ def main() -> None:
     args = ap.parse_args()
     start = time.perf_counter()
     dtype = getattr(torch, args.dtype)
-    loaded = load_model(MODEL, backend="native")
+    loaded = load_model(MODEL, dtype="float32", backend="native", trust_remote_code=False,
+                        packed_weights=None)
     lm, tok = loaded.lm, loaded.tokenizer
     eos = tuple(lm.info.eos_token_ids)
     reqs = SpecBench(per_category=-(-args.requests // 6)).requests()[: args.requests]

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from specflow.kv.session import ModelSession  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
-from specflow.models.session import ModelSession  # noqa: E402
 
 
 def main() -> None:
@@ -46,7 +46,8 @@ def main() -> None:
     counts = [int(t) for t in args.tokens.split(",")]
 
     packed = {"auto": None, "true": True, "false": False}[args.packed_weights]
-    loaded = load_model(args.model, dtype=args.dtype, packed_weights=packed)
+    loaded = load_model(args.model, dtype=args.dtype, backend="auto", trust_remote_code=False,
+                        packed_weights=packed)
     lm = loaded.lm
     n_layers = lm.info.num_layers
     gen = torch.Generator().manual_seed(0)

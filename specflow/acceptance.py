@@ -1,4 +1,7 @@
-"""The acceptance rules, as pure functions (stages wrap them; FLy builds on them).
+"""The lossless acceptance rule: pure functions (FLy builds on them) and ``StandardAcceptor``,
+the one acceptor class for it (configs ``acceptor=exact`` and ``acceptor=rejection``).
+
+Below, k is the number of tokens drafted this round (``len(draft.tokens)``).
 
 - ``greedy_accept``: keep the longest prefix of the draft equal to the target's argmax,
   then the target's argmax (lossless for greedy decoding).
@@ -15,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from specflow.sampling import sample
-from specflow.state import Acceptance
+from specflow.errors import ConfigError
+from specflow.sampling import sample, warp
+from specflow.state import Acceptance, DecodeState, Draft
 
 
 def greedy_accept(draft_tokens: list[int], target_logits: torch.Tensor) -> Acceptance:
@@ -73,22 +77,36 @@ def correction_sample(
 
 
 class StandardAcceptor:
-    """The standard lossless rule: ``greedy_accept`` when greedy, else ``rejection_accept``.
+    """The lossless rule, the one acceptor class for it (``acceptor=exact`` and
+    ``acceptor=rejection``): ``greedy_accept`` when the request is greedy, else
+    ``rejection_accept`` on the warped target distributions ``p = warp(logits)`` and the
+    draft's q (``Draft.probs``; one-hot when ``None``).
 
-    It is the acceptor of plain decoding (no draft: the target's argmax or a sample from p)
-    and of HiSpec's intermediate level."""
+    It is also the acceptor of plain decoding (no draft: the target's argmax or a sample
+    from p) and of HiSpec's intermediate level.
+
+    Args:
+        greedy_only: refuse sampling when the pipeline is built (``acceptor=exact``: a run
+            meant to be greedy fails loudly at temperature > 0 instead of sampling).
+    """
 
     lossless = True
 
+    def __init__(self, greedy_only: bool = False) -> None:
+        self.greedy_only = greedy_only
+
     def check(self, greedy: bool) -> None:
-        pass
+        if self.greedy_only and not greedy:
+            raise ConfigError(
+                "acceptor=exact is greedy-only but sampling.temperature > 0; use "
+                "acceptor=rejection for lossless speculative sampling"
+            )
 
     def check_draft_length(self, k: int) -> None:
         pass
 
-    def accept(self, state, draft, target_logits: torch.Tensor) -> Acceptance:  # noqa: ANN001
-        from specflow.sampling import warp
-
+    def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
+        """``target_logits [drafted+1, V]`` -> the accepted prefix and the next token."""
         if state.sampling.greedy:
             return greedy_accept(draft.tokens, target_logits)
         return rejection_accept(

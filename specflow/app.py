@@ -10,13 +10,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specflow.cache_root import configured_cache_root
 from specflow.cpu import check_cpu_weights, probe_cpu
 from specflow.errors import SpecflowError
 from specflow.graph import build_pipeline, instantiate_checked
+from specflow.records import RunMeta, RunSummary
 from specflow.results import RunFolder, results_fingerprint
 from specflow.runner import Runner
+from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings
-from specflow.state import SamplingParams
 
 log = logging.getLogger("specflow")
 
@@ -31,7 +33,7 @@ def output_dir() -> Path:
         return Path("outputs/manual")
 
 
-def run_from_config(cfg: DictConfig, out: Path | None = None) -> dict[str, Any]:
+def run_from_config(cfg: DictConfig, out: Path | None = None) -> RunSummary:
     """Build, run and report one experiment; a ``SpecflowError`` exits with its message."""
     try:
         return _run(cfg, out or output_dir())
@@ -65,39 +67,43 @@ def check_models_fit_cpu(cfg: DictConfig) -> None:
         check_cpu_weights(model["name"], path, model["dtype"], model.get("packed_weights"))
 
 
-def _run(cfg: DictConfig, out: Path) -> dict[str, Any]:
+def _run(cfg: DictConfig, out: Path) -> RunSummary:
     settings: RunSettings = OmegaConf.to_object(cfg.runner)  # checks every runner value
+    sampling: SamplingParams = OmegaConf.to_object(cfg.sampling)  # and every sampling value
     if settings.threads:
         torch.set_num_threads(settings.threads)
     if settings.device == "cpu":
         check_models_fit_cpu(cfg)
     log.info("CPU: %s", probe_cpu().describe())
-    pipeline = build_pipeline(cfg)
     from specflow.models.loading import load_model
 
-    target = load_model(
-        cfg.model.name,
-        dtype=cfg.model.dtype,
-        backend=cfg.model.backend,
-        trust_remote_code=cfg.model.trust_remote_code,
-        packed_weights=cfg.model.packed_weights,
-    )
+    # runner.cache_dir is the cache root of every model, exit-head and feature-head path the
+    # stages resolve while they are built (specflow.cache_root).
+    with configured_cache_root(settings.cache_dir):
+        pipeline = build_pipeline(cfg)
+        target = load_model(
+            cfg.model.name,
+            dtype=cfg.model.dtype,
+            backend=cfg.model.backend,
+            trust_remote_code=cfg.model.trust_remote_code,
+            packed_weights=cfg.model.packed_weights,
+            cache_dir=settings.cache_dir,
+        )
     workload = instantiate_checked("workload", cfg.workload)
     callbacks = [
         instantiate_checked(f"callbacks.{name}", node)
         for name, node in (cfg.get("callbacks") or {}).items()
         if node is not None
     ]
-    sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p)
     runner = Runner(pipeline, target.tokenizer, settings, sampling, callbacks)
     config = OmegaConf.to_container(cfg, resolve=True)
     folder = RunFolder(out, resume=cfg.resume, fingerprint=results_fingerprint(config))
-    meta = {
-        "method": cfg.method,
-        "target_model": pipeline.info.name,
-        "models": [info.name for info in pipeline.models()],
-        "config": config,
-    }
+    meta = RunMeta(
+        method=cfg.method,
+        target_model=pipeline.info.name,
+        models=[info.name for info in pipeline.models()],
+        config=config,
+    )
     summary = runner.run(workload.requests(), folder, meta)  # callbacks.console prints the table
     print(f"results: {folder.path.resolve()}")
     return summary

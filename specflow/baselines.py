@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 
 from specflow.cpu import probe_cpu
 from specflow.engine import SpeculativePipeline
-from specflow.state import SamplingParams
+from specflow.sampling import SamplingParams
 
 
 def machine_description() -> dict[str, Any]:
@@ -30,6 +31,15 @@ def machine_description() -> dict[str, Any]:
         "python": platform.python_version(),
     }
 
+
+
+@dataclass
+class CachedBaseline:
+    """Plain decoding of one prompt as cached (a ``<key>.json`` file): its tokens and
+    seconds."""
+
+    tokens: list[int]
+    total_s: float
 
 
 class BaselineCache:
@@ -63,16 +73,19 @@ class BaselineCache:
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
-    def get(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str) -> CachedBaseline | None:
         if self.directory is None:
             return None
         path = self.directory / f"{key}.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        return CachedBaseline(tokens=data["tokens"], total_s=data["total_s"])
 
-    def put(self, key: str, value: dict[str, Any]) -> None:
+    def put(self, key: str, value: CachedBaseline) -> None:
         if self.directory is None:
             return
         path = self.directory / f"{key}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(value))
+        tmp.write_text(json.dumps(asdict(value)))
         tmp.replace(path)

@@ -15,49 +15,61 @@ import argparse
 import csv
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from specflow import metrics as m
-from specflow.results import REQUESTS_FILE, SUMMARY_FILE, read_records, summarize
+from specflow.records import RunMeta, RunSummary
+from specflow.results import (
+    REQUESTS_FILE,
+    SUMMARY_FILE,
+    aggregate,
+    aggregate_by_category,
+    read_records,
+    summarize,
+)
 
 
-def load_summary(run_dir: str | Path, recompute: bool = False) -> dict[str, Any]:
+def load_summary(run_dir: str | Path, recompute: bool = False) -> RunSummary:
     """A run folder's summary (recomputed from ``requests.jsonl`` when missing).
 
-    ``recompute``: aggregate ``requests.jsonl`` again with this version's ``summarize``
+    ``recompute``: aggregate ``requests.jsonl`` again with this version's ``aggregate``
     (e.g. for the accuracy intervals of a run that predates them), keeping the stored
-    summary's other keys (method, models, machine, batch).
+    summary's meta (method, models, machine), ``complete`` and ``batch``.
     """
     run_dir = Path(run_dir)
     path = run_dir / SUMMARY_FILE
     requests = run_dir / REQUESTS_FILE
     if path.exists():
-        summary = json.loads(path.read_text())
+        summary = RunSummary.from_json(json.loads(path.read_text()))
         if recompute and requests.exists():
-            summary.update(summarize(read_records(requests), {}))
+            records = read_records(requests)
+            summary = replace(
+                summary, overall=aggregate(records), by_category=aggregate_by_category(records)
+            )
         return summary
     if requests.exists():
-        return summarize(read_records(requests), {"complete": False})
+        return summarize(read_records(requests), RunMeta(), complete=False)
     raise FileNotFoundError(f"{run_dir}: no {SUMMARY_FILE} or {REQUESTS_FILE} (not a run folder?)")
 
 
-def labels_for(run_dirs: list[Path], summaries: list[dict[str, Any]]) -> list[str]:
+def labels_for(run_dirs: list[Path], summaries: list[RunSummary]) -> list[str]:
     """Short unique column names: folder names, or ``<i>:<method>`` when those are long."""
     names = [p.resolve().name for p in run_dirs]
     if len(set(names)) == len(names) and max(len(n) for n in names) <= 24:
         return names
-    return [f"{i}:{s.get('method') or 'run'}" for i, s in enumerate(summaries)]
+    return [f"{i}:{s.meta.method or 'run'}" for i, s in enumerate(summaries)]
 
 
-def compare_rows(summaries: list[dict[str, Any]]) -> list[tuple[str, list[Any]]]:
+def compare_rows(summaries: list[RunSummary]) -> list[tuple[str, list[Any]]]:
     """``(row name, one value per run)`` rows of the comparison table."""
     flats = [m.flatten_summary(s) for s in summaries]
     cats = [m.flatten_by_category(s) for s in summaries]
     rows: list[tuple[str, list[Any]]] = [
-        ("method", [s.get("method") for s in summaries]),
-        ("target_model", [s.get("target_model") for s in summaries]),
-        ("complete", [s.get("complete") for s in summaries]),
+        ("method", [s.meta.method for s in summaries]),
+        ("target_model", [s.meta.target_model for s in summaries]),
+        ("complete", [s.complete for s in summaries]),
     ]
     names = [k for k in m.KEY_METRICS if any(k in f for f in flats)]
     extra = sorted({k for f in flats for k in f} - set(names))
@@ -108,9 +120,9 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_compare(labels: list[str], summaries: list[dict[str, Any]], path: Path) -> Path:
+def plot_compare(labels: list[str], summaries: list[RunSummary], path: Path) -> Path:
     """Grouped bars: speedup per category (and ALL) of every run, plain decoding at 1.0."""
-    cats = sorted({c for s in summaries for c in s.get("by_category", {})}) + ["ALL"]
+    cats = sorted({c for s in summaries for c in s.by_category}) + ["ALL"]
     values = []
     for s in summaries:
         by_cat = m.flatten_by_category(s)

@@ -2,9 +2,17 @@
 
 ``conf/config.yaml`` starts from this schema (registered as ``specflow_schema``), so a
 misspelled key or a wrong type in a fixed-shape group (``model``, ``runner``,
-``sampling``) fails at composition, naming the key.  The ``runner`` group's schema is
-``specflow.settings.RunSettings`` itself (declared once; ``conf/runner/default.yaml`` adds
-nothing), and its values are checked when the run starts.  Stage groups (``drafter``,
+``sampling``) fails at composition, naming the key.  Each of these groups is declared once:
+
+- ``model``: ``ModelConfig`` holds the types only; the values are in ``conf/model/*.yaml``
+  (one file a model; a value none sets fails when read, naming it: ``Missing mandatory
+  value: model.dtype``);
+- ``runner``: ``specflow.settings.RunSettings`` itself (``conf/runner/default.yaml`` adds
+  nothing);
+- ``sampling``: ``specflow.sampling.SamplingParams`` itself, what the engine decodes with.
+
+``specflow.app`` turns ``runner`` and ``sampling`` into those dataclasses when the run starts
+(``OmegaConf.to_object``), which checks their values.  Stage groups (``drafter``,
 ``intermediate_verifier``, ``target_verifier``, ``acceptor``, ``selector``, ``workload``) are
 ``_target_`` nodes checked against the target's signature by ``specflow.graph``.
 """
@@ -15,30 +23,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
 
+from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings
 
 
 @dataclass
 class ModelConfig:
-    """A model: a registry name (``qwen2.5-coder-1.5b``...), a local HF folder or a hub id."""
+    """A model's config (``conf/model/*.yaml`` holds the values; these are the types).
 
-    name: str = "smollm2-135m"
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bf16 where native on the CPU)
-    backend: str = "auto"  # auto | native | hf
-    trust_remote_code: bool = False
-    exit_heads: str | None = None  # trained exit heads: a path, or "default" (train_heads/)
-    # oneDNN-packed matrices (native backend): null = wherever this CPU's oneDNN runs the dtype
-    # (specflow/cpu.py; unpacked otherwise, logged); false saves the packed copy's memory
-    # (about the model's size) at the cost of slower multi-token matmuls.
-    packed_weights: bool | None = None
+    Attributes:
+        name: a registry name (``qwen2.5-coder-1.5b``...), a local HF folder or a hub id.
+        dtype: ``float32`` | ``bfloat16`` | ``float16`` | ``auto`` (bf16 where native on
+            the CPU).
+        backend: ``auto`` | ``native`` | ``hf``.
+        trust_remote_code: passed to transformers.
+        exit_heads: trained exit heads: a path, or ``default`` (train_heads/); null: none.
+        packed_weights: oneDNN-packed matrices (native backend): null = wherever this CPU's
+            oneDNN runs the dtype (specflow/cpu.py; unpacked otherwise, logged); false
+            saves the packed copy's memory (about the model's size) at the cost of slower
+            multi-token matmuls.
+    """
 
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
+    name: str = MISSING
+    dtype: str = MISSING
+    backend: str = MISSING
+    trust_remote_code: bool = MISSING
+    exit_heads: str | None = MISSING
+    packed_weights: bool | None = MISSING
 
 
 @dataclass
@@ -63,11 +76,15 @@ class RunConfig:
     workload: Any = None
     callbacks: Any = field(default_factory=dict)
     runner: RunSettings = field(default_factory=RunSettings)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
 
 def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore (idempotent)."""
-    cs = ConfigStore.instance()
-    cs.store(name="specflow_schema", node=RunConfig)
+    schema = OmegaConf.structured(RunConfig)
+    # ``SamplingParams`` is frozen, which OmegaConf turns into a read-only node; the config
+    # must still take conf/ and command-line values (sampling.temperature=0.7).  The frozen
+    # instance is made, and checked, when the run starts (specflow.app).
+    OmegaConf.set_readonly(schema.sampling, None)
+    ConfigStore.instance().store(name="specflow_schema", node=schema)

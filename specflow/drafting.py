@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specflow.catchup import catch_up
 from specflow.errors import ConfigError
-from specflow.models.base import LayeredLM
+from specflow.kv.base import LayeredLM
+from specflow.kv.session import forward_exit_hidden
 from specflow.models.native import NativeLM
-from specflow.models.session import forward_exit_hidden, forward_hidden
 from specflow.sampling import choose
 from specflow.state import DecodeState, Draft
 
@@ -37,23 +37,25 @@ class SubVocabHead:
     vocab_size: int
 
     @staticmethod
-    def check_supported(lm: LayeredLM) -> None:
-        """Raise ``ConfigError`` unless ``lm`` has an LM head to slice (native backend)."""
+    def check_supported(lm: LayeredLM) -> NativeLM:
+        """``lm`` itself when it has an LM head to slice (the native backend); else
+        ``ConfigError``."""
         if not isinstance(lm, NativeLM):
             raise ConfigError(
                 f"drafter.vocab_subset needs the native backend (an LM head it can slice); "
                 f"{lm.info.name} runs on another backend: set drafter.vocab_subset=null"
             )
+        return lm
 
     @classmethod
-    def build(cls, lm: NativeLM, top_ids: int, always: list[int]) -> SubVocabHead:
+    def build(cls, model: LayeredLM, top_ids: int, always: list[int]) -> SubVocabHead:
         """Keep ids ``0..top_ids-1`` plus ``always`` (e.g. the prompt's tokens and EOS).
 
         Byte-level BPE vocabularies (Qwen, Llama 3, SmolLM) number their tokens in merge
         order, so low ids are the frequent ones: ids < 32768 cover about 95 % of the tokens
         the Qwen2.5 and SmolLM2 models here generate on Spec-Bench.
         """
-        cls.check_supported(lm)
+        lm = cls.check_supported(model)
         weight = lm.lm_head  # [V, H]
         vocab = lm.info.vocab_size
         extra = torch.tensor([t for t in always if 0 <= t < vocab], dtype=torch.long)
@@ -75,45 +77,38 @@ def draft_with_model(
     states: list[DecodeState],
     lm: LayeredLM,
     exit_layer: int,
-    ks: list[int],
+    asked: list[int],
     min_confidence: float = 0.0,
     subvocabs: list[SubVocabHead | None] | None = None,
 ) -> list[Draft]:
-    """Propose up to ``ks[i]`` tokens for each request from ``lm`` at ``exit_layer``.
+    """Propose up to ``asked[i]`` tokens for each request from ``lm`` at ``exit_layer``.
 
     Drafting step j is ONE batched forward of one token for every request still drafting
-    (``ks[i] > j``, not stopped).  A request stops early when the drafter's top probability
+    (``asked[i] > j``, not stopped).  A request stops early when the drafter's top probability
     (temperature 1) falls below ``min_confidence`` (the token is still proposed: it is
     often right, and stopping after it saves the next, likelier-wrong steps).
 
     Each request's session first syncs to its committed tokens: it catches up on tokens
     committed since it last ran and drops its rejected drafts.  Greedy: argmax, q = None;
     sampling: tokens drawn from the warped distributions (each request's own generator), q
-    ``[k, V]``.  With ``subvocabs[i]`` request i's head covers only that vocabulary subset.
-    A catch-up of more than one position (the lazy prefill, or tokens committed while the
-    drafter sat idle) runs first, batched, and is timed apart (``Draft.catchup_s``), so the
-    time of the drafting steps stays measurable; the usual one position left by the previous
-    round (its bonus token) rides along with the first step, in one forward pass.
+    ``[drafted, V]``.  With ``subvocabs[i]`` request i's head covers only that vocabulary
+    subset.  A catch-up of more than one position (the lazy prefill, or tokens committed while
+    the drafter sat idle) runs first, batched (``specflow.catchup.catch_up``), and is timed
+    apart with the requests' clock (``Draft.catchup_s``), so the time of the drafting steps
+    stays measurable; the usual one position left by the previous round (its bonus token)
+    rides along with the first step, in one forward pass.
     """
     subvocabs = subvocabs or [None] * len(states)
     sessions = [st.session(lm) for st in states]
-    for sess, st in zip(sessions, states, strict=True):
-        sess.set_tokens(st.tokens)
-    behind = [
-        i
-        for i, sess in enumerate(sessions)
-        if ks[i] > 0 and len(sess.tokens) - 1 - sess.computed(exit_layer - 1) > 1
-    ]
+    active = [i for i, n in enumerate(asked) if n > 0]
+    # More than the usual one position of the previous round behind: a real catch-up.
+    sync = catch_up([states[i] for i in active], lm, exit_layer, slack=1)
     catchup_s = [0.0] * len(states)
-    if behind:  # more than the usual one token of the previous round: a real catch-up
-        start = time.perf_counter()
-        forward_hidden([(sessions[i], exit_layer, len(sessions[i].tokens) - 1) for i in behind])
-        spent = time.perf_counter() - start
-        for i in behind:
-            catchup_s[i] = spent
+    for i, behind in zip(active, sync.behind, strict=True):
+        if behind:
+            catchup_s[i] = sync.seconds
     tokens: list[list[int]] = [[] for _ in states]
     q_rows: list[list[torch.Tensor]] = [[] for _ in states]
-    active = [i for i, k in enumerate(ks) if k > 0]
     model = sessions[0].model if sessions else lm
     step = 0
     while active:
@@ -145,7 +140,7 @@ def draft_with_model(
             if probs is not None:
                 q_rows[i].append(probs)
             confident = min_confidence <= 0.0 or float(row.softmax(-1).max()) >= min_confidence
-            if confident and ks[i] > step + 1:
+            if confident and asked[i] > step + 1:
                 still.append(i)
         active = still
         step += 1

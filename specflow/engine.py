@@ -12,29 +12,37 @@ accepted tokens (N_i) before the outer target verifier runs.  Its time is report
 ``intermediate_s`` (its verification) inside the outer ``draft_s``.
 
 One round (``run_round``) runs over a batch of requests (batch 1 is a batch of one; the
-scheduler, ``specflow.scheduler``, admits and retires requests between rounds):
-  1. per request i: k_i = min(drafter.k, tokens still to generate - 1)  (never past the end)
-     k_i = draft_length.choose(state_i, k_i)     (optional policy, per request; 0 = plain)
-  2. drafts = drafter.propose(states with k_i > 0, their k_i)           time/draft_s
-  3. logits = target_verifier.score(states, drafts)  # [k_i+1, V] each  time/verify_s
+scheduler, ``specflow.scheduler``, admits and retires requests between rounds).  Draft
+lengths (glossary in ``specflow.state``): ``k`` is the drafter's maximum, ``asked_i`` what
+this round asks for request i, ``d_i = len(draft_i.tokens) <= asked_i`` what it drafted.
+  1. per request i: limit_i = min(drafter.k, budget_i - 1)   (``draft_limit``: the one cap;
+     budget_i - 1 keeps the bonus token within max_new_tokens)
+     asked_i = draft_length.choose(state_i, limit_i)  (optional policy; default limit_i;
+     0 = a plain round)
+  2. drafts = drafter.propose(states with asked_i > 0, their asked_i)   time/draft_s
+  3. logits = target_verifier.score(states, drafts)  # [d_i+1, V] each  time/verify_s
   4. verdict_i = acceptor.accept(state_i, draft_i, logits_i)            time/accept_s
      drafter.observe(drafting states, ...)       (a pool's bandit reward; in accept_s)
   5. per request: draft_length.observe(...), stats, commit draft[:accepted] + [next_token].
-Every stage reads the committed tokens from ``state.tokens``; model sessions sync to them
-lazily (rollback of rejected drafts is implicit, see ``specflow.models.session``) and run
-one batched forward per step for the whole batch (``forward_hidden``).
+
+Stage times are read from the pipeline's ``clock``; the requests carry the same clock
+(``DecodeState.clock``) for what stages time themselves (a drafter's catch-up), so
+``draft_s - catchup_s`` subtracts seconds of one counter.  Every stage reads the committed
+tokens from ``state.tokens``; model sessions sync to them lazily (rollback of rejected
+drafts is implicit, see ``specflow.kv.session``) and run one batched forward per step for
+the whole batch (``forward_hidden``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
+from specflow.acceptance import StandardAcceptor
 from specflow.errors import ConfigError
-from specflow.models.base import ModelInfo, check_same_tokenizer
+from specflow.kv.base import ModelInfo, check_same_tokenizer
 from specflow.protocols import (
     Acceptor,
     Drafter,
@@ -42,6 +50,7 @@ from specflow.protocols import (
     IntermediateVerifier,
     ModelUse,
     TargetVerifier,
+    draft_limit,
 )
 from specflow.sampling import warp
 from specflow.state import (
@@ -49,31 +58,8 @@ from specflow.state import (
     DecodeState,
     Draft,
     RequestLocal,
-    RoundStats,
-    SamplingParams,
     StageTimes,
 )
-
-
-@dataclass
-class Generation:
-    """The outcome of one ``generate`` call.
-
-    Attributes:
-        tokens: the generated token ids (prompt excluded), EOS included when hit.
-        stats: round counters (tau, acceptance).
-        times: seconds per stage.
-        total_s: wall-clock seconds of the whole call, prefill included.
-        stop_reason: "eos" or "length".
-    """
-
-    tokens: list[int]
-    stats: RoundStats
-    times: StageTimes
-    total_s: float
-    stop_reason: str
-    nested_stats: dict[str, RoundStats] = field(default_factory=dict)
-    nested_times: dict[str, StageTimes] = field(default_factory=dict)
 
 
 class SpeculativePipeline:
@@ -87,9 +73,14 @@ class SpeculativePipeline:
         name: the method name reported in results.
         level: name of this pipeline's verification level in per-level acceptance
             ("target" for the outermost pipeline; e.g. "draft" for a nested one).
-        k: draft length when the pipeline is used as a drafter (``propose``).
-        draft_length: a policy choosing k each round (default: the drafter's k).
-        clock: seconds counter for the stage times (tests pass a deterministic one).
+        k: only for a pipeline nested as an outer pipeline's drafter: its ``Drafter.k``, the
+            most tokens it proposes per outer round (config: the nested node's ``k``).
+            ``None`` (a top-level pipeline, as ``graph.build_pipeline`` builds it): not a
+            drafter.  This pipeline's own rounds draft at most ``max_draft_len``.
+        draft_length: a policy choosing each round's asked draft length (default: the
+            limit, ``min(drafter.k, budget - 1)``).
+        clock: seconds counter for the stage times, given to the requests it creates or
+            nests (``DecodeState.clock``); tests pass a deterministic one.
     """
 
     def __init__(
@@ -100,12 +91,15 @@ class SpeculativePipeline:
         intermediate_verifier: IntermediateVerifier | None = None,
         name: str = "pipeline",
         level: str = "target",
-        k: int = 4,
+        k: int | None = None,
         draft_length: DraftLengthPolicy | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if k < 1:
-            raise ConfigError(f"k (draft length) must be >= 1, got {k}; set e.g. drafter.k=4")
+        if k is not None and k < 1:
+            raise ConfigError(
+                f"k={k}: a nested pipeline's k (the most tokens it drafts for the outer "
+                f"pipeline per round) must be >= 1; set e.g. drafter.k=4"
+            )
         self.target_verifier = target_verifier
         self.acceptor = acceptor
         self.intermediate_verifier = intermediate_verifier
@@ -115,8 +109,6 @@ class SpeculativePipeline:
                     "an intermediate_verifier needs a drafter to pre-verify "
                     "(e.g. drafter=early_exit)"
                 )
-            from specflow.acceptance import StandardAcceptor
-
             check_exit_order(drafter, intermediate_verifier)
 
             drafter = SpeculativePipeline(
@@ -126,6 +118,7 @@ class SpeculativePipeline:
                 name=f"{name}/intermediate",
                 level="intermediate",
                 k=intermediate_verifier.accumulate,
+                clock=clock,
             )
         self.drafter = drafter
         self.draft_length = draft_length
@@ -140,9 +133,25 @@ class SpeculativePipeline:
     def _check_graph(self) -> None:
         target = self.target_verifier.info
         if self.drafter is not None:
+            k = self.drafter.k
+            if k is None or k < 1:
+                raise ConfigError(
+                    f"drafter.k={k}: the drafter's k (the most tokens it proposes per "
+                    f"round) must be >= 1; set drafter.k=4 (for a nested pipeline, its own "
+                    f"k: the tokens it drafts for the outer pipeline)"
+                )
             for info in self.drafter.models():
                 check_same_tokenizer(info, target)
-            self.acceptor.check_draft_length(self.drafter.k)
+            self.acceptor.check_draft_length(self.max_draft_len)
+
+    @property
+    def max_draft_len(self) -> int:
+        """The most draft tokens one round of this pipeline sends to its target verifier:
+        its drafter's ``k`` (0 without a drafter: plain decoding).  Every round drafts
+        ``len(draft.tokens) <= asked <= max_draft_len`` tokens per request, so a target
+        verification covers at most ``max_draft_len + 1`` positions per request.  (A nested
+        pipeline's own rounds have their own ``max_draft_len``.)"""
+        return 0 if self.drafter is None else self.drafter.k
 
     def models(self) -> list[ModelInfo]:
         """Every model this pipeline runs (``Drafter`` protocol)."""
@@ -177,30 +186,29 @@ class SpeculativePipeline:
     ) -> list[tuple[list[int], torch.Tensor]]:
         """One round over a batch: request i commits at most ``budgets[i]`` (>= 1) tokens.
 
-        Returns per request the committed tokens and the target logits ``[k_i+1, V]`` of
+        Returns per request the committed tokens and the target logits ``[d_i+1, V]`` of
         the round (a nesting pipeline uses them as its q).  Stages run once for the batch
         (one drafting forward per step, one verification forward); acceptance, the
         draft-length policy and the statistics are per request.  Every request waited for
         the whole batched stage, so each is charged its full time.
         """
-        ks = [0] * len(states)
+        asked = [0] * len(states)
         if self.drafter is not None:
             for i, (st, budget) in enumerate(zip(states, budgets, strict=True)):
-                k = min(self.drafter.k, budget - 1)
-                if self.draft_length is not None and k > 0:
-                    k = self.draft_length.choose(st, k)
-                ks[i] = k
-        drafting = [i for i, k in enumerate(ks) if k > 0]
+                limit = draft_limit(self.drafter, budget - 1)
+                policy = self.draft_length
+                asked[i] = policy.choose(st, limit) if policy is not None and limit > 0 else limit
+        drafting = [i for i, n in enumerate(asked) if n > 0]
         t0 = self.clock()
         drafts = [Draft([]) for _ in states]
         if drafting:
             proposed = self.drafter.propose(
-                [states[i] for i in drafting], [ks[i] for i in drafting]
+                [states[i] for i in drafting], [asked[i] for i in drafting]
             )
             for i, draft in zip(drafting, proposed, strict=True):
                 drafts[i] = draft
         t1 = self.clock()
-        logits = self.target_verifier.score(states, drafts)  # each [k_i+1, V]
+        logits = self.target_verifier.score(states, drafts)  # each [d_i+1, V]
         t2 = self.clock()
         verdicts = [
             self.acceptor.accept(st, d, lg)
@@ -215,51 +223,29 @@ class SpeculativePipeline:
             )
         t3 = self.clock()
         out = []
-        for st, k, draft, verdict, lg in zip(states, ks, drafts, verdicts, logits, strict=True):
-            st.stats.chosen_k.append(k)
+        for st, n, draft, verdict, lg in zip(states, asked, drafts, verdicts, logits, strict=True):
+            st.stats.asked_per_round.append(n)
             st.times.draft_s += t1 - t0
             st.times.verify_s += t2 - t1
             st.times.accept_s += t3 - t2
-            accepted = verdict.num_accepted
+            drafted, accepted = len(draft.tokens), verdict.num_accepted
             if self.draft_length is not None:
                 # The drafter's catch-up (lazy prefill, tokens committed while it sat idle)
                 # is not a per-token drafting cost: leave it out of the policy's t_draft.
-                draft_s = max(0.0, t1 - t0 - draft.catchup_s) if k > 0 else 0.0
+                # Both are read from one clock (``DecodeState.clock`` is this ``clock``).
+                draft_s = max(0.0, t1 - t0 - draft.catchup_s) if n > 0 else 0.0
                 self.draft_length.observe(
-                    st, draft.k, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
+                    st, drafted, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
                 )
-            st.stats.record_round(self.level, draft.k, accepted)
+            st.stats.record_round(self.level, drafted, accepted)
             new = draft.tokens[:accepted] + [verdict.next_token]
             st.tokens.extend(new)
             out.append((new, lg))
         return out
 
-    # ------------------------------------------------------------------ generate
-    def generate(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
-        stop_token_ids: tuple[int, ...] | None = None,
-        on_round: Callable[[dict[str, int]], None] | None = None,
-    ) -> Generation:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt`` (stop at EOS): a batch of
-        one through ``specflow.scheduler.Scheduler`` with contiguous KV.
-
-        ``on_round`` (optional) is called after every round with ``{"round", "k",
-        "drafted", "accepted", "committed"}`` (the round-end hook of callbacks).
-        """
-        from specflow.scheduler import Scheduler, SeqRequest
-
-        hook = None if on_round is None else (lambda _req, event: on_round(event))
-        request = SeqRequest(prompt, max_new_tokens, seed, stop_token_ids=stop_token_ids)
-        (result,) = Scheduler(self, batch_size=1).generate([request], sampling, on_round=hook)
-        return result.generation
-
     # ------------------------------------------------------------------ as a drafter
-    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
-        """Draft ``ks[i]`` tokens per request for an outer pipeline by running this
+    def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
+        """Draft ``asked[i]`` tokens per request for an outer pipeline by running this
         pipeline's rounds (batched) until every request has its tokens.
 
         The tokens follow this pipeline's target (lossless acceptor: its distribution), so
@@ -271,18 +257,20 @@ class SpeculativePipeline:
         starts = [len(inner.tokens) for inner in inners]
         q_rows: list[list[torch.Tensor]] = [[] for _ in states]
         while True:
-            todo = [i for i, inner in enumerate(inners) if len(inner.tokens) - starts[i] < ks[i]]
+            todo = [
+                i for i, inner in enumerate(inners) if len(inner.tokens) - starts[i] < asked[i]
+            ]
             if not todo:
                 break
-            budgets = [ks[i] - (len(inners[i].tokens) - starts[i]) for i in todo]
+            budgets = [asked[i] - (len(inners[i].tokens) - starts[i]) for i in todo]
             results = self.run_round([inners[i] for i in todo], budgets)
             for i, (new, logits) in zip(todo, results, strict=True):
                 if not states[i].sampling.greedy:
                     q_rows[i].append(warp(logits[: len(new)], states[i].sampling))
         drafts = []
         for i, inner in enumerate(inners):
-            toks = inner.tokens[starts[i] : starts[i] + ks[i]]
-            probs = torch.cat(q_rows[i])[: ks[i]] if q_rows[i] else None
+            toks = inner.tokens[starts[i] : starts[i] + asked[i]]
+            probs = torch.cat(q_rows[i])[: asked[i]] if q_rows[i] else None
             drafts.append(Draft(toks, probs))
         return drafts
 
@@ -296,7 +284,8 @@ class SpeculativePipeline:
         """``Drafter`` hook: nothing (this pipeline's own drafter observed its rounds)."""
 
     def _new_inner(self, state: DecodeState) -> DecodeState:
-        """This pipeline's own state inside an outer request (shares the model sessions)."""
+        """This pipeline's own state inside an outer request (shares the model sessions;
+        its stages time themselves with this pipeline's clock)."""
         inner = DecodeState(
             tokens=list(state.tokens),
             prompt_len=state.prompt_len,
@@ -310,6 +299,7 @@ class SpeculativePipeline:
             locals=state.locals,
             nested_stats=state.nested_stats,
             nested_times=state.nested_times,
+            clock=self.clock,
         )
         inner.stats = state.stats_for_level(self.level)
         return inner

@@ -73,7 +73,7 @@ def _describe(ann: Any) -> str | object:
         parts = [_describe(a) for a in typing.get_args(ann)]
         if any(p is _UNCHECKED for p in parts):
             return _UNCHECKED
-        return " or ".join(dict.fromkeys(parts))  # type: ignore[arg-type]
+        return " or ".join(dict.fromkeys(str(p) for p in parts))
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(ann))
     base = origin or ann
@@ -229,8 +229,12 @@ def _mentions(node: Any, wanted: Mapping) -> bool:
 
 
 def build_pipeline(cfg: Any) -> SpeculativePipeline:
-    """The pipeline a composed run config describes: ``method`` and its stages (the draft
-    length is the drafter's ``k``, shaped per round by ``draft_length``)."""
+    """The pipeline a composed run config describes: ``method`` and its stages.
+
+    Its rounds draft at most ``drafter.k`` tokens per request (the pipeline's
+    ``max_draft_len``); ``draft_length`` chooses how many each round asks for within that.
+    The pipeline's own ``k`` stays unset: only a pipeline nested as a drafter has one, set
+    in its node (e.g. ``conf/drafter/pld_model.yaml``)."""
     check_selector_used(cfg)
     drafter = instantiate_checked("drafter", cfg.get("drafter"))
     intermediate = instantiate_checked("intermediate_verifier", cfg.get("intermediate_verifier"))

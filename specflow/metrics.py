@@ -1,7 +1,9 @@
 """The metric names of the core: slash-separated names from records and summaries.
 
-``flatten(metrics)`` turns a request record's ``metrics`` (plus its ``task`` scores) or a
-summary aggregate (overall or one ``by_category`` entry) into flat ``{name: float}``:
+``flatten_record(record)``, ``flatten_summary(summary)`` and ``flatten_by_category(summary)``
+turn the typed results of ``specflow.records`` into flat ``{name: float}``; the names come
+from the JSON keys of a record's ``metrics`` (plus its ``task`` scores) or of a summary
+aggregate (overall or one ``by_category`` entry), through ``flatten``:
 
 ========================  ===================================================
 name                      from
@@ -29,13 +31,15 @@ quality/accuracy_ratio    mean of the ``task_ratio/*`` (absent without task scor
 names are used in the JSONL and CSV logs, wandb, the plots, the sweep summary and
 ``specflow.compare``; ``KEY_METRICS`` / ``ordered_columns`` fix the column order of every
 table and CSV file.  This module is core (it only reads the record and summary schema of
-``specflow.results``), so the callbacks and ``specflow.compare`` both import it.
+``specflow.records``), so the callbacks and ``specflow.compare`` both import it.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from specflow.records import Aggregate, RequestRecord, RunSummary
 
 SCALARS: dict[str, str] = {
     "tokens_per_s": "throughput/tokens_per_s",
@@ -89,7 +93,8 @@ def _task_name(key: str) -> str:
 
 def flatten(metrics: dict[str, Any], task: dict[str, Any] | None = None,
             baseline_task: dict[str, Any] | None = None) -> dict[str, float]:
-    """Slash-named scalars of a record's ``metrics`` or a summary aggregate (module doc).
+    """Slash-named scalars of the JSON form of a record's ``metrics`` or of a summary
+    aggregate (module doc): the one place JSON keys become metric names.
 
     A summary aggregate carries its task scores inline (``task/x``, ``baseline_task/x``);
     a record passes them as ``task`` and ``baseline_task``.
@@ -160,14 +165,22 @@ def task_ratios(flat: dict[str, float]) -> dict[str, float]:
     return ratios
 
 
-def flatten_record(record: dict[str, Any]) -> dict[str, float]:
+def flatten_record(record: RequestRecord) -> dict[str, float]:
     """Slash-named scalars of one request record (``metrics`` + task scores)."""
-    return flatten(record.get("metrics", {}), record.get("task"), record.get("baseline_task"))
+    return flatten(record.metrics.to_json(), record.task, record.baseline_task)
 
 
-def flatten_summary(summary: dict[str, Any]) -> dict[str, float]:
-    """Slash-named scalars of a summary's overall aggregate (``by_category`` excluded)."""
-    return flatten({k: v for k, v in summary.items() if k != "by_category"})
+def flatten_aggregate(agg: Aggregate) -> dict[str, float]:
+    """Slash-named scalars of one aggregate (a summary's overall or a category's)."""
+    return flatten(agg.to_json())
+
+
+def flatten_summary(summary: RunSummary) -> dict[str, float]:
+    """Slash-named scalars of a summary's top level: ``run/complete`` and the overall
+    aggregate (``by_category`` excluded)."""
+    data = summary.to_json()
+    del data["by_category"]
+    return flatten(data)
 
 
 STAGES = ("prefill_s", "draft_s", "intermediate_s", "verify_s", "accept_s", "other_s")
@@ -181,9 +194,9 @@ def stage_names(flat: dict[str, float]) -> list[str]:
     return sorted(names, key=lambda k: (order.get(k, len(order)), k))
 
 
-def flatten_by_category(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+def flatten_by_category(summary: RunSummary) -> dict[str, dict[str, float]]:
     """``{category: scalars}`` of a summary's ``by_category``."""
-    return {cat: flatten(agg) for cat, agg in summary.get("by_category", {}).items()}
+    return {cat: flatten_aggregate(agg) for cat, agg in summary.by_category.items()}
 
 
 def ordered_columns(rows: list[dict[str, Any]], first: tuple[str, ...] = ()) -> list[str]:

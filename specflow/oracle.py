@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from specflow.results import REQUESTS_FILE, read_records
+from specflow.results import REQUESTS_FILE, read_json_lines
 
 
 def _tokens_per_s(records: list[dict[str, Any]]) -> float:
@@ -53,7 +53,7 @@ def load_runs(run_dirs: list[str | Path]) -> dict[str, dict[str, dict[str, Any]]
         if not path.exists():
             raise FileNotFoundError(f"{run_dir}: no {REQUESTS_FILE} (not a run folder?)")
         name = str(run_dir)
-        runs[name] = {r["request_id"]: r for r in read_records(path)}
+        runs[name] = {r["request_id"]: r for r in read_json_lines(path)}
     return runs
 
 

@@ -1,24 +1,26 @@
 """The roles a stage can play.  Stages are plain classes chosen by config (``_target_``);
 they satisfy these protocols structurally, with no base class to inherit from.  Every
-member that the engine or another stage calls is declared here.
+member that the engine, the scheduler (``Pipeline``) or another stage calls is declared
+here, and ``draft_limit`` is the one cap of a draft length by a drafter's ``k``.
 
 Stages are batch-first: a round runs over a batch of requests (``states``, one
 ``DecodeState`` each; batch 1 is a list of one).  A round (see ``specflow.engine``) is::
 
-    drafts = drafter.propose(states, ks)                       # k_i tokens (+ q when sampling)
-    logits = target_verifier.score(states, drafts)             # [k_i+1, V] target logits each
+    drafts = drafter.propose(states, asked)                    # d_i <= asked_i tokens (+ q)
+    logits = target_verifier.score(states, drafts)             # [d_i+1, V] target logits each
     verdict_i = acceptor.accept(state_i, draft_i, logits_i)    # accepted prefix + bonus token
     drafter.observe(states, drafts, logits, verdicts)          # e.g. a bandit's reward
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from specflow.models.base import LayeredLM, ModelInfo
+from specflow.kv.base import LayeredLM, ModelInfo
 from specflow.state import Acceptance, DecodeState, Draft
 
 
@@ -38,7 +40,11 @@ class ModelUse:
 class Drafter(Protocol):
     """Proposes draft tokens continuing each request's ``state.tokens``.
 
-    ``k`` is the drafter's default draft length (the pipeline caps it near the end).
+    ``k`` (config ``drafter.k``, >= 1) is the drafter's maximum draft length: the most
+    tokens it proposes in one round (see the glossary in ``specflow.state``).  A drafter
+    made of drafters (a fallback, a pool) has the largest ``k`` of its parts and asks each
+    part through ``draft_limit``; a nested pipeline's ``k`` is the most tokens it drafts for
+    the outer pipeline.
     """
 
     name: str
@@ -47,8 +53,9 @@ class Drafter(Protocol):
     def begin(self, states: list[DecodeState]) -> None:
         """New requests start (reset per-request state; prefill may happen here)."""
 
-    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
-        """Up to ``ks[i]`` (>= 1) tokens continuing ``states[i].tokens`` (fewer, even 0, ok)."""
+    def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
+        """Up to ``asked[i]`` tokens (``1 <= asked[i] <= k``) continuing
+        ``states[i].tokens`` (fewer, even 0, is fine)."""
 
     def observe(
         self,
@@ -66,6 +73,14 @@ class Drafter(Protocol):
         """The model sessions this drafter drafts with; [] for model-free ones."""
 
 
+def draft_limit(drafter: Drafter, wanted: int) -> int:
+    """The draft length to ask ``drafter`` for when ``wanted`` tokens would do:
+    ``min(wanted, drafter.k)``, the one place a draft length is capped by a drafter's ``k``
+    (the engine, with ``wanted = budget - 1``; a fallback or a pool, for each of its parts).
+    """
+    return min(wanted, drafter.k)
+
+
 @runtime_checkable
 class TargetVerifier(Protocol):
     """Scores drafts with the target model in one batched forward pass."""
@@ -76,9 +91,9 @@ class TargetVerifier(Protocol):
         """New requests start: prefill their prompts (one batched forward)."""
 
     def score(self, states: list[DecodeState], drafts: list[Draft]) -> list[torch.Tensor]:
-        """Target logits ``[k_i+1, V]`` per request: row j is the target's distribution for
-        draft position j given the committed tokens and ``draft.tokens[:j]`` (row k_i: the
-        bonus)."""
+        """Target logits ``[d_i+1, V]`` per request (``d_i = len(drafts[i].tokens)``): row j
+        is the target's distribution for draft position j given the committed tokens and
+        ``draft.tokens[:j]`` (row d_i: the bonus)."""
 
     def uses(self) -> list[ModelUse]:
         """The model session this verifier scores with (the target at its exit)."""
@@ -109,10 +124,12 @@ class Acceptor(Protocol):
 
     def check_draft_length(self, k: int) -> None:
         """Raise ``ConfigError`` when this acceptor cannot work with drafts of up to ``k``
-        tokens (FLy: its window must be below k); called when the pipeline is built."""
+        tokens (the pipeline's ``max_draft_len``; FLy: its window must be below k); called
+        when the pipeline is built."""
 
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
-        """``target_logits [k+1, V]`` -> accepted prefix length and next token."""
+        """``target_logits [d+1, V]`` (d: the tokens drafted) -> accepted prefix length and
+        next token."""
 
 
 @dataclass
@@ -142,15 +159,17 @@ class Selector(Protocol):
 
 @runtime_checkable
 class DraftLengthPolicy(Protocol):
-    """Chooses the draft length k of each request's round (0 = skip drafting: a plain round).
+    """Chooses the draft length each request's round asks for (0 = skip drafting: a plain
+    round).
 
     Per request: its evidence lives in the request's state, so every sequence of a batch
-    has its own k."""
+    has its own draft length."""
 
     def begin(self, state: DecodeState) -> None: ...
 
-    def choose(self, state: DecodeState, k_max: int) -> int:
-        """A draft length in ``0..k_max``."""
+    def choose(self, state: DecodeState, limit: int) -> int:
+        """The asked draft length, in ``0..limit`` (``limit = min(drafter.k, budget - 1)``,
+        >= 1)."""
 
     def observe(
         self,
@@ -163,3 +182,36 @@ class DraftLengthPolicy(Protocol):
     ) -> None:
         """What the round did: tokens drafted and accepted, seconds drafting (without the
         drafter's catch-up) and verifying, and seconds the drafter spent catching up."""
+
+
+@runtime_checkable
+class Pipeline(Protocol):
+    """What the scheduler runs (``specflow.engine.SpeculativePipeline``): the rounds of a
+    batch of requests.  Declared here so the scheduler and the engine never import each
+    other."""
+
+    acceptor: Acceptor
+    clock: Callable[[], float]
+
+    @property
+    def info(self) -> ModelInfo:
+        """The target model (its name, EOS ids)."""
+
+    @property
+    def max_draft_len(self) -> int:
+        """The most draft tokens one round sends to the target verifier (0: plain)."""
+
+    def models(self) -> list[ModelInfo]:
+        """Every model the pipeline runs (their context limits bound a request)."""
+
+    def uses(self) -> list[ModelUse]:
+        """Every model session the pipeline runs (the scheduler registers their KV)."""
+
+    def begin(self, states: list[DecodeState]) -> None:
+        """New requests start: every stage prefills / resets (batched)."""
+
+    def run_round(
+        self, states: list[DecodeState], budgets: list[int]
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """One round; request i commits at most ``budgets[i]`` (>= 1) tokens.  Returns per
+        request the committed tokens and the round's target logits."""

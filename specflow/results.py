@@ -1,10 +1,12 @@
 """Results nothing can lose: a run folder written as results are produced.
 
-- ``requests.jsonl``: one JSON line per finished request, appended, flushed and fsync'ed
-  before the next request starts; a rerun with ``resume=true`` skips the ids found there.
-- ``summary.json``: the aggregate (written atomically at the end, and as a partial summary
-  with ``"complete": false`` when the run is interrupted); the temporary file and the folder
-  are fsync'ed, so a crash leaves the old summary or the new one, never a torn one.
+- ``requests.jsonl``: one JSON line per finished request (a ``specflow.records.RequestRecord``),
+  appended, flushed and fsync'ed before the next request starts; a rerun with
+  ``resume=true`` reads them back and skips their ids.
+- ``summary.json``: the aggregate (a ``specflow.records.RunSummary``, written atomically at
+  the end, and as a partial summary with ``"complete": false`` when the run is
+  interrupted); the temporary file and the folder are fsync'ed, so a crash leaves the old
+  summary or the new one, never a torn one.
 - ``fingerprint.json``: the settings that determine results (``results_fingerprint``); a
   resume with different settings is refused instead of mixing two configurations.
 
@@ -34,6 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from specflow.errors import ConfigError, SpecflowError
+from specflow.records import (
+    Aggregate,
+    BatchReport,
+    PairedCounts,
+    RequestRecord,
+    RunMeta,
+    RunSummary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +79,7 @@ FINGERPRINT_RUNNER_KEYS = (
 
 
 class CorruptRecordsError(SpecflowError, ValueError):
-    """A ``requests.jsonl`` line that is not a JSON record (not a torn last line)."""
+    """A ``requests.jsonl`` line that is not a request record (not a torn last line)."""
 
 
 def results_fingerprint(cfg_container: dict[str, Any]) -> dict[str, Any]:
@@ -154,8 +164,6 @@ def repair_torn_tail(path: Path) -> bytes:
 
 
 class RunFolder:
-    """Appends request records and writes the summary in one run folder."""
-
     """Appends request records and writes the summary in one run folder.
 
     Args:
@@ -174,7 +182,7 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         self.requests_path = self.path / REQUESTS_FILE
         self.fingerprint_path = self.path / FINGERPRINT_FILE
-        self.records: list[dict[str, Any]] = []
+        self.records: list[RequestRecord] = []
         if fingerprint is not None:
             fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
         if resume:
@@ -220,12 +228,12 @@ class RunFolder:
 
     @property
     def done_ids(self) -> set[str]:
-        return {r["request_id"] for r in self.records}
+        return {r.request_id for r in self.records}
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, record: RequestRecord) -> None:
         """Append one record as a line, flushed and fsync'ed; a file that does not end with
         a newline (a torn line) gets one first, so the new record is never glued to it."""
-        line = (json.dumps(record) + "\n").encode("utf-8")
+        line = (json.dumps(record.to_json()) + "\n").encode("utf-8")
         new_file = not self.requests_path.exists()
         with self.requests_path.open("ab+") as f:
             f.seek(0, os.SEEK_END)
@@ -242,17 +250,33 @@ class RunFolder:
             _fsync_dir(self.path)
         self.records.append(record)
 
-    def write_summary(self, summary: dict[str, Any]) -> Path:
+    def write_summary(self, summary: RunSummary) -> Path:
         """Write ``summary.json`` atomically: temp file, fsync, rename, fsync the folder."""
         target = self.path / SUMMARY_FILE
-        _write_json_atomic(target, summary)
+        _write_json_atomic(target, summary.to_json())
         return target
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Read a requests.jsonl. A torn last line (no final newline: a crash mid-write) is left
-    out with a warning; any other line that is not a JSON object raises
-    ``CorruptRecordsError`` naming the file and the line number."""
+def read_records(path: Path) -> list[RequestRecord]:
+    """The request records of a requests.jsonl (``read_json_lines``); a JSON object that is
+    not a record raises ``CorruptRecordsError`` naming the file, the record's number and its
+    ``request_id``."""
+    out = []
+    for number, data in enumerate(read_json_lines(path), start=1):
+        try:
+            out.append(RequestRecord.from_json(data))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecordsError(
+                f"{path}: record {number} (request_id {data.get('request_id')!r}) is not a "
+                f"request record: {type(exc).__name__}: {exc}"
+            ) from None
+    return out
+
+
+def read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a requests.jsonl, as written. A torn last line (no final newline:
+    a crash mid-write) is left out with a warning; any other line that is not a JSON object
+    raises ``CorruptRecordsError`` naming the file and the line number."""
     data = path.read_bytes()
     lines = data.split(b"\n")
     torn = lines.pop() if lines else b""  # the text after the last newline
@@ -290,70 +314,79 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
+def aggregate(records: list[RequestRecord]) -> Aggregate:
     """Aggregate metrics over request records (see module doc)."""
     if not records:
-        return {"num_requests": 0}
-    m = [r["metrics"] for r in records]
-    new_tokens = sum(x["new_tokens"] for x in m)
-    total_s = sum(x["total_s"] for x in m)
-    rounds = sum(x["rounds"] for x in m)
-    accepted = sum(x["accepted"] for x in m)
-    drafted = sum(x["drafted"] for x in m)
-    out: dict[str, Any] = {
-        "num_requests": len(records),
-        "new_tokens": new_tokens,
-        "total_s": total_s,
-        "tokens_per_s": _ratio(new_tokens, total_s),
-        "rounds": rounds,
-        "target_calls": sum(x["target_calls"] for x in m),
-        "drafted": drafted,
-        "accepted": accepted,
-        "tau": 1.0 + accepted / rounds if rounds else None,
-        "acceptance_rate": _ratio(accepted, drafted),
-    }
+        return Aggregate.empty()
+    m = [r.metrics for r in records]
+    new_tokens = sum(x.new_tokens for x in m)
+    total_s = sum(x.total_s for x in m)
+    rounds = sum(x.rounds for x in m)
+    accepted = sum(x.accepted for x in m)
+    drafted = sum(x.drafted for x in m)
+    tokens_per_s = _ratio(new_tokens, total_s)
     levels: dict[str, list[int]] = {}
     for x in m:
-        for level, (d, a) in x.get("levels", {}).items():
+        for level, (d, a) in x.levels.items():
             acc = levels.setdefault(level, [0, 0])
             acc[0] += d
             acc[1] += a
-    out["acceptance_by_level"] = {k: _ratio(a, d) for k, (d, a) in levels.items()}
-    out["accepted_by_level"] = {k: a for k, (_, a) in levels.items()}
-    stage_keys = sorted({k for x in m for k in x["time_per_stage"]})
-    out["time_per_stage"] = {k: sum(x["time_per_stage"].get(k, 0.0) for x in m) for k in stage_keys}
-    base = [x for x in m if x.get("baseline_s") is not None]
+    stage_keys = sorted({k for x in m for k in x.time_per_stage})
+    out = Aggregate(
+        num_requests=len(records),
+        new_tokens=new_tokens,
+        total_s=total_s,
+        tokens_per_s=tokens_per_s,
+        rounds=rounds,
+        target_calls=sum(x.target_calls for x in m),
+        drafted=drafted,
+        accepted=accepted,
+        tau=1.0 + accepted / rounds if rounds else None,
+        acceptance_rate=_ratio(accepted, drafted),
+        acceptance_by_level={k: _ratio(a, d) for k, (d, a) in levels.items()},
+        accepted_by_level={k: a for k, (_, a) in levels.items()},
+        time_per_stage={
+            k: sum(x.time_per_stage.get(k, 0.0) for x in m) for k in stage_keys
+        },
+        baseline_tokens_per_s=None,
+        speedup=None,
+        speedup_median=None,
+        fidelity=None,
+    )
+    base = [x.baseline for x in m if x.baseline is not None]
     if len(base) == len(m):
-        b_tokens = sum(x["baseline_tokens"] for x in m)
-        b_s = sum(x["baseline_s"] for x in m)
-        out["baseline_tokens_per_s"] = _ratio(b_tokens, b_s)
-        out["speedup"] = _ratio(out["tokens_per_s"] or 0.0, out["baseline_tokens_per_s"] or 0.0)
-        out["speedup_median"] = statistics.median(x["speedup"] for x in m)
-        same = [x["matches_baseline"] for x in m if x.get("matches_baseline") is not None]
-        out["fidelity"] = sum(same) / len(same) if same else None
-    else:
-        out["baseline_tokens_per_s"] = out["speedup"] = out["speedup_median"] = None
-        out["fidelity"] = None
-    task_keys = sorted({k for r in records for k in r.get("task", {})})
-    for key in task_keys:
-        vals = [r["task"][key] for r in records if key in r.get("task", {})]
-        out[key] = sum(vals) / len(vals)
+        b_tokens = sum(b.baseline_tokens for b in base)
+        b_s = sum(b.baseline_s for b in base)
+        out.baseline_tokens_per_s = _ratio(b_tokens, b_s)
+        out.speedup = _ratio(tokens_per_s or 0.0, out.baseline_tokens_per_s or 0.0)
+        out.speedup_median = statistics.median(b.speedup for b in base)
+        same = [b.matches_baseline for b in base if b.matches_baseline is not None]
+        out.fidelity = sum(same) / len(same) if same else None
+    _add_task_scores(out, records)
+    return out
+
+
+def _add_task_scores(out: Aggregate, records: list[RequestRecord]) -> None:
+    """Mean task scores of the method and of plain decoding, with their intervals and the
+    paired counts of pass/fail scores (see module doc)."""
+    for key in sorted({k for r in records for k in r.task}):
+        vals = [r.task[key] for r in records if key in r.task]
+        out.task[key] = sum(vals) / len(vals)
         if _binary(vals):
-            out.setdefault("task_ci95", {})[key] = wilson_interval(int(sum(vals)), len(vals))
-        base_vals = [r["baseline_task"][key] for r in records if key in r.get("baseline_task", {})]
+            out.task_ci95[key] = wilson_interval(int(sum(vals)), len(vals))
+        plain = [r.baseline_task for r in records if r.baseline_task and key in r.baseline_task]
+        base_vals = [b[key] for b in plain]
         if base_vals:
-            out[f"baseline_{key}"] = sum(base_vals) / len(base_vals)
+            out.baseline_task[key] = sum(base_vals) / len(base_vals)
             if _binary(base_vals):
-                ci = wilson_interval(int(sum(base_vals)), len(base_vals))
-                out.setdefault("baseline_task_ci95", {})[key] = ci
+                out.baseline_task_ci95[key] = wilson_interval(int(sum(base_vals)), len(base_vals))
         paired = [
-            (r["task"][key], r["baseline_task"][key])
+            (r.task[key], r.baseline_task[key])
             for r in records
-            if key in r.get("task", {}) and key in r.get("baseline_task", {})
+            if key in r.task and r.baseline_task and key in r.baseline_task
         ]
         if paired and _binary([v for pair in paired for v in pair]):
-            out.setdefault("task_paired", {})[key] = paired_counts(paired)
-    return out
+            out.task_paired[key] = paired_counts(paired)
 
 
 def _binary(values: list[Any]) -> bool:
@@ -375,7 +408,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> list[float]:
     return [max(0.0, (centre - half) / denom), min(1.0, (centre + half) / denom)]
 
 
-def paired_counts(pairs: list[tuple[Any, Any]]) -> dict[str, float]:
+def paired_counts(pairs: list[tuple[Any, Any]]) -> PairedCounts:
     """Pass/fail of the method against plain decoding on the same requests.
 
     ``both``, ``method_only``, ``plain_only``, ``neither`` (counts) and ``mcnemar_p``: the
@@ -388,49 +421,61 @@ def paired_counts(pairs: list[tuple[Any, Any]]) -> dict[str, float]:
     plain_only = sum(1 for m, b in pairs if b and not m)
     n = method_only + plain_only
     tail = sum(math.comb(n, i) for i in range(min(method_only, plain_only) + 1)) / 2**n
-    return {
-        "both": both,
-        "method_only": method_only,
-        "plain_only": plain_only,
-        "neither": len(pairs) - both - method_only - plain_only,
-        "mcnemar_p": min(1.0, 2.0 * tail),
-    }
+    return PairedCounts(
+        both=both,
+        method_only=method_only,
+        plain_only=plain_only,
+        neither=len(pairs) - both - method_only - plain_only,
+        mcnemar_p=min(1.0, 2.0 * tail),
+    )
 
 
-def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """The run's summary: ``meta`` (method, models, machine...) + overall + by_category."""
-    summary = dict(meta)
-    summary.update(aggregate(records))
-    cats = sorted({r["category"] for r in records})
-    summary["by_category"] = {
-        c: aggregate([r for r in records if r["category"] == c]) for c in cats
-    }
-    return summary
+def aggregate_by_category(records: list[RequestRecord]) -> dict[str, Aggregate]:
+    """``{category: aggregate of its records}``, categories sorted."""
+    cats = sorted({r.category for r in records})
+    return {c: aggregate([r for r in records if r.category == c]) for c in cats}
 
 
-def format_table(summary: dict[str, Any]) -> str:
+def summarize(
+    records: list[RequestRecord],
+    meta: RunMeta,
+    complete: bool,
+    batch: BatchReport | None = None,
+) -> RunSummary:
+    """The run's summary: ``meta`` (method, models, machine...), whether the run completed,
+    the aggregate overall and by category, and the runner's ``batch`` report."""
+    return RunSummary(meta, complete, aggregate(records), aggregate_by_category(records), batch)
+
+
+def format_table(summary: RunSummary) -> str:
     """A readable per-category table of the summary."""
-    cols = (
-        "tokens_per_s",
-        "baseline_tokens_per_s",
+    labels = [
+        "tokens/s",
+        "baseline_tokens/s",
         "speedup",
         "tau",
         "acceptance_rate",
         "fidelity",
-    )
-    labels = [c.replace("_per_s", "/s") for c in cols]
+    ]
     w = max(len(label) for label in labels) + 2  # every header cell keeps 2 spaces before it
     head = f"{'category':<16}{'n':>4}" + "".join(f"{label:>{w}}" for label in labels)
     lines = [head, "-" * len(head)]
 
-    def row(name: str, agg: dict[str, Any]) -> str:
-        cells = "".join(
-            f"{agg.get(c):>{w}.3f}" if isinstance(agg.get(c), float) else f"{'-':>{w}}"
-            for c in cols
+    def row(name: str, agg: Aggregate) -> str:
+        values = (
+            agg.tokens_per_s,
+            agg.baseline_tokens_per_s,
+            agg.speedup,
+            agg.tau,
+            agg.acceptance_rate,
+            agg.fidelity,
         )
-        return f"{name:<16}{agg.get('num_requests', 0):>4}" + cells
+        cells = "".join(
+            f"{v:>{w}.3f}" if isinstance(v, float) else f"{'-':>{w}}" for v in values
+        )
+        return f"{name:<16}{agg.num_requests:>4}" + cells
 
-    for cat, agg in summary.get("by_category", {}).items():
+    for cat, agg in summary.by_category.items():
         lines.append(row(cat, agg))
-    lines.append(row("ALL", summary))
+    lines.append(row("ALL", summary.overall))
     return "\n".join(lines)

@@ -18,23 +18,33 @@ as soon as the request is done.  Warm-up generations run first and are not timed
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from specflow.acceptance import StandardAcceptor
-from specflow.baselines import BaselineCache, machine_description
-from specflow.engine import Generation, SpeculativePipeline
+from specflow.baselines import BaselineCache, CachedBaseline, machine_description
+from specflow.cache_root import cache_root
+from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, SpecflowError
-from specflow.records import generation_metrics, percentile, task_scores
+from specflow.measure import baseline_metrics, generation_metrics, percentile, task_scores
+from specflow.records import (
+    BaselinePass,
+    BatchReport,
+    DecodePass,
+    RequestRecord,
+    RunMeta,
+    RunSummary,
+    TurnRecord,
+)
 from specflow.results import RunFolder, summarize
-from specflow.scheduler import BatchResult, Scheduler, SeqRequest
+from specflow.sampling import SamplingParams
+from specflow.scheduler import BatchResult, Generation, Scheduler, SeqRequest
 from specflow.settings import RunSettings
-from specflow.state import RoundStats, SamplingParams, StageTimes
+from specflow.state import RoundStats, StageTimes
 from specflow.workload import Request
 
 log = logging.getLogger(__name__)
@@ -58,24 +68,25 @@ class RunCallback(Protocol):
     """What the runner calls on every callback (see ``callbacks/``; a hook a callback does
     not need is a no-op there).
 
-    ``meta`` carries ``output_dir`` (the run folder) so loggers can write from the start.
-    ``on_run_end`` is always called, also when the run crashes (``summary["complete"]`` is
+    Records, summaries and meta are the typed results of ``specflow.records``.  ``meta``
+    carries ``output_dir`` (the run folder) so loggers can write from the start.
+    ``on_run_end`` is always called, also when the run crashes (``summary.complete`` is
     then false), and one callback failing there does not stop the others.  ``on_round_end``
     is called after every round only for callbacks whose ``wants_rounds`` is true.
     """
 
     wants_rounds: bool
 
-    def on_run_start(self, meta: dict[str, Any], num_requests: int) -> None: ...
+    def on_run_start(self, meta: RunMeta, num_requests: int) -> None: ...
 
     def on_request_start(self, request: Request) -> None: ...
 
     def on_round_end(self, request: Request, event: dict[str, int]) -> None:
         """After every round: ``round``, ``k``, ``drafted``, ``accepted``, ``committed``."""
 
-    def on_request_end(self, record: dict[str, Any]) -> None: ...
+    def on_request_end(self, record: RequestRecord) -> None: ...
 
-    def on_run_end(self, summary: dict[str, Any], folder: Path) -> None: ...
+    def on_run_end(self, summary: RunSummary, folder: Path) -> None: ...
 
 
 def build_prompt(
@@ -114,6 +125,16 @@ class _Conversation:
     turns: list[TurnResult] = field(default_factory=list)
 
 
+@dataclass
+class _Measured:
+    """What ``decode_requests`` measured for the summary's ``batch``: the cached baseline's
+    re-timing and each pass over the requests (``None`` until it ran)."""
+
+    baseline_drift: float | None = None
+    decoding: DecodePass | None = None
+    baseline: BaselinePass | None = None
+
+
 class Runner:
     """Decodes requests with a method and its plain-decoding baseline (see module doc)."""
 
@@ -138,14 +159,10 @@ class Runner:
                     f"wants_rounds and on_run_start, on_request_start, on_round_end, "
                     f"on_request_end, on_run_end (see specflow.runner.RunCallback)"
                 )
-        cache_root = Path(
-            settings.cache_dir
-            or os.environ.get("SPECFLOW_CACHE")
-            or Path.home() / ".cache" / "specflow"
-        )
         use_cache = settings.baseline_cache and settings.batch_size == 1
-        self.baseline_cache = BaselineCache(cache_root / "baselines" if use_cache else None)
-        self._batch: dict[str, Any] = {}  # the batch section of the summary, as measured
+        baselines = cache_root(settings.cache_dir) / "baselines"
+        self.baseline_cache = BaselineCache(baselines if use_cache else None)
+        self._measured = _Measured()  # the batch section of the summary, as measured
 
     # ---------------------------------------------------------------- callbacks
     def _each(self, call: Callable[[RunCallback], None], safe: bool = False) -> None:
@@ -197,7 +214,7 @@ class Runner:
             hit = self._cached_baseline(prompt) if cache else None
             if hit is None:
                 return SeqRequest(prompt, s.max_new_tokens, s.seed, tag=conv)
-            gen = Generation(hit["tokens"], RoundStats(), StageTimes(), hit["total_s"], "cached")
+            gen = Generation(hit.tokens, RoundStats(), StageTimes(), hit.total_s, "cached")
             self._finish_turn(conv, TurnResult(prompt, gen, cached=True))
         return None
 
@@ -207,7 +224,7 @@ class Runner:
             self.pipeline, prompt, s.max_new_tokens, self.sampling, s.seed
         )
 
-    def _cached_baseline(self, prompt: list[int]) -> dict[str, Any] | None:
+    def _cached_baseline(self, prompt: list[int]) -> CachedBaseline | None:
         """The baseline of ``prompt`` from the cache (no key is computed when it is off)."""
         if self.baseline_cache.directory is None:
             return None
@@ -242,7 +259,7 @@ class Runner:
             if cache and self.baseline_cache.directory is not None:
                 self.baseline_cache.put(
                     self._baseline_key(turn.prompt),
-                    {"tokens": turn.generation.tokens, "total_s": turn.generation.total_s},
+                    CachedBaseline(turn.generation.tokens, turn.generation.total_s),
                 )
             follow = self._next_turn(conv, cache)
             if follow is None:
@@ -286,69 +303,55 @@ class Runner:
 
     def _record(
         self, request: Request, turns: list[TurnResult], base: list[TurnResult] | None
-    ) -> dict[str, Any]:
+    ) -> RequestRecord:
         """The JSONL record of a request (method's turns, and the baseline's when run)."""
         gens = [t.generation for t in turns]
         texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
-        metrics = generation_metrics(gens)
-        metrics["latency_s"] = metrics["total_s"]
-        metrics["queued_s"] = sum(t.queued_s for t in turns)
-        base_text = ""
+        compared = None
+        baseline_task = None
         if base is not None:
             b_gens = [t.generation for t in base]
-            b_tokens = sum(len(g.tokens) for g in b_gens)
-            b_s = sum(g.total_s for g in b_gens)
+            cached = all(t.cached for t in base)
+            compared = baseline_metrics(gens, b_gens, cached, self.sampling.greedy)
             base_text = self.tokenizer.decode(b_gens[-1].tokens, skip_special_tokens=True)
-            matches = all(g.tokens == b.tokens for g, b in zip(gens, b_gens, strict=True))
-            metrics.update(
-                {
-                    "baseline_tokens": b_tokens,
-                    "baseline_s": b_s,
-                    "baseline_tokens_per_s": b_tokens / b_s if b_s else 0.0,
-                    "baseline_cached": all(t.cached for t in base),
-                    "speedup": metrics["tokens_per_s"] / (b_tokens / b_s) if b_s else None,
-                    "matches_baseline": matches if self.sampling.greedy else None,
-                }
-            )
-        record = {
-            "request_id": request.request_id,
-            "category": request.category,
-            "subcategory": request.subcategory,
-            "output_text": texts[-1],
-            "turns": [
-                {
-                    "prompt_tokens": len(t.prompt),
-                    "output_text": text,
-                    "output_tokens": t.generation.tokens,
-                    "new_tokens": len(t.generation.tokens),
-                    "total_s": t.generation.total_s,
-                    "stop_reason": t.generation.stop_reason,
-                }
+            baseline_task = task_scores(request, base_text)
+        return RequestRecord(
+            request_id=request.request_id,
+            category=request.category,
+            subcategory=request.subcategory,
+            output_text=texts[-1],
+            turns=[
+                TurnRecord(
+                    prompt_tokens=len(t.prompt),
+                    output_text=text,
+                    output_tokens=t.generation.tokens,
+                    new_tokens=len(t.generation.tokens),
+                    total_s=t.generation.total_s,
+                    stop_reason=t.generation.stop_reason,
+                )
                 for t, text in zip(turns, texts, strict=True)
             ],
-            "metrics": metrics,
-            "task": task_scores(request, texts[-1]),
-        }
-        if base is not None:
-            record["baseline_task"] = task_scores(request, base_text)
-        return record
+            metrics=generation_metrics(gens, sum(t.queued_s for t in turns), compared),
+            task=task_scores(request, texts[-1]),
+            baseline_task=baseline_task,
+        )
 
     # ---------------------------------------------------------------- the run
-    def run(
-        self, requests: list[Request], folder: RunFolder, meta: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Decode every request not already in ``folder``; always writes ``summary.json``."""
+    def run(self, requests: list[Request], folder: RunFolder, meta: RunMeta) -> RunSummary:
+        """Decode every request not already in ``folder``; always writes ``summary.json``.
+
+        ``meta`` (method, models, config) gets the machine, start time and run folder."""
         todo = [r for r in requests if r.request_id not in folder.done_ids]
         if len(todo) < len(requests):
             log.info(
                 "resume: %d of %d requests already done", len(requests) - len(todo), len(requests)
             )
-        meta = {
-            **meta,
-            "machine": machine_description(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "output_dir": str(folder.path.resolve()),
-        }
+        meta = replace(
+            meta,
+            machine=machine_description(),
+            started=time.strftime("%Y-%m-%d %H:%M:%S"),
+            output_dir=str(folder.path.resolve()),
+        )
         complete = False
         try:
             self._each(lambda cb: cb.on_run_start(meta, len(todo)))
@@ -356,9 +359,8 @@ class Runner:
             complete = True
         finally:
             wanted = {r.request_id for r in requests}
-            records = [r for r in folder.records if r["request_id"] in wanted]
-            summary = summarize(records, {**meta, "complete": complete})
-            summary["batch"] = self._batch_summary(records)
+            records = [r for r in folder.records if r.request_id in wanted]
+            summary = summarize(records, meta, complete, self._batch_summary(records))
             try:
                 folder.write_summary(summary)
             finally:
@@ -370,7 +372,7 @@ class Runner:
         the method), or a baseline pass then the method's pass at batch size N; each record
         is appended as soon as its request is done."""
         s = self.settings
-        self._batch = {"batch_size": s.batch_size, "device": s.device}
+        self._measured = _Measured()
         if not todo:
             return
         max_context = self._max_context(todo)
@@ -404,23 +406,23 @@ class Runner:
             method_wall += method.stats.wall_s
             method_tokens += method.stats.new_tokens
         pools = method.kv.pools
-        self._batch.update(
-            {
-                **method.kv.report(),
-                "attention": pools[0].attention.name if pools else "contiguous",
-                "block_size": pools[0].block_size if pools else None,
-                "wall_s": method_wall,
-                "new_tokens": method_tokens,
-                "throughput_tokens_per_s": method_tokens / method_wall if method_wall else 0.0,
-                "mean_active": method.stats.mean_batch,
-            }
+        throughput = method_tokens / method_wall if method_wall else 0.0
+        self._measured.decoding = DecodePass(
+            kv=method.kv.report(),
+            attention=pools[0].attention.name if pools else "contiguous",
+            block_size=pools[0].block_size if pools else None,
+            wall_s=method_wall,
+            new_tokens=method_tokens,
+            throughput_tokens_per_s=throughput,
+            mean_active=method.stats.mean_batch,
         )
         if base is not None and base_wall:
             base_tp = base_tokens / base_wall
-            self._batch["baseline_wall_s"] = base_wall
-            self._batch["baseline_throughput_tokens_per_s"] = base_tp
-            if base_tp:
-                self._batch["throughput_speedup"] = self._batch["throughput_tokens_per_s"] / base_tp
+            self._measured.baseline = BaselinePass(
+                baseline_wall_s=base_wall,
+                baseline_throughput_tokens_per_s=base_tp,
+                throughput_speedup=throughput / base_tp if base_tp else None,
+            )
 
     def _check_drift(self, base: Scheduler, request: Request) -> None:
         """Re-time the cached baseline of the first request's first turn: a machine slower or
@@ -428,33 +430,34 @@ class Runner:
         s = self.settings
         prompt = build_prompt(self.tokenizer, [{"role": "user", "content": request.turns[0]}], s)
         hit = self._cached_baseline(prompt)
-        if hit is None or not hit["total_s"]:
+        if hit is None or not hit.total_s:
             return
         (fresh,) = base.generate([SeqRequest(prompt, s.max_new_tokens, s.seed)], self.sampling)
-        drift = fresh.generation.total_s / hit["total_s"]
-        self._batch["baseline_drift"] = drift
+        drift = fresh.generation.total_s / hit.total_s
+        self._measured.baseline_drift = drift
         if abs(drift - 1.0) > DRIFT_WARN:
             log.warning(
                 "the cached baseline of %s took %.2fs, now %.2fs (%.0f%% %s): cached speedups "
                 "compare against another machine state; runner.baseline_cache=false measures "
                 "side by side",
                 request.request_id,
-                hit["total_s"],
+                hit.total_s,
                 fresh.generation.total_s,
                 abs(drift - 1.0) * 100,
                 "slower" if drift > 1 else "faster",
             )
 
-    def _batch_summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def _batch_summary(self, records: list[RequestRecord]) -> BatchReport:
         """``batch``: size, device, KV layout, throughput across the batch and latencies."""
         s = self.settings
-        batch = dict(self._batch or {"batch_size": s.batch_size, "device": s.device})
-        lat = [r["metrics"].get("latency_s", r["metrics"]["total_s"]) for r in records]
-        batch.update(
-            {
-                "latency_s_mean": statistics.fmean(lat) if lat else None,
-                "latency_s_p50": percentile(lat, 0.5),
-                "latency_s_p90": percentile(lat, 0.9),
-            }
+        lat = [r.metrics.latency_s for r in records]
+        return BatchReport(
+            batch_size=s.batch_size,
+            device=s.device,
+            baseline_drift=self._measured.baseline_drift,
+            decoding=self._measured.decoding,
+            baseline=self._measured.baseline,
+            latency_s_mean=statistics.fmean(lat) if lat else None,
+            latency_s_p50=percentile(lat, 0.5),
+            latency_s_p90=percentile(lat, 0.9),
         )
-        return batch

@@ -1,14 +1,50 @@
-"""Turning logits into distributions and tokens, identically for every stage.
+"""How tokens are chosen (``SamplingParams``), and turning logits into distributions and
+tokens identically for every stage.
 
-Drafters and acceptors must warp logits the same way (temperature, then top-k, then
-top-p) so that the lossless rule compares the distributions tokens are really drawn from.
+``SamplingParams`` is declared once: it is the config group ``sampling``'s schema
+(``specflow.config``) and what the engine decodes with (``specflow.app`` turns the composed
+group into one, which checks every value).  Drafters and acceptors must warp logits the same
+way (temperature, then top-k, then top-p) so that the lossless rule compares the
+distributions tokens are really drawn from.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from specflow.state import SamplingParams
+from specflow.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen: the config group ``sampling`` (its schema, and the one place
+    these settings are declared).  ``temperature == 0`` is greedy (argmax).
+
+    Attributes:
+        temperature: softmax temperature; 0 = greedy.
+        top_k: keep the k most likely tokens; 0 = no top-k filter.
+        top_p: keep the smallest set of tokens whose mass reaches top_p; 1.0 = no nucleus
+            filter.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are chosen by argmax (``temperature == 0``)."""
+        return self.temperature == 0.0
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

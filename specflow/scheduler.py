@@ -7,7 +7,9 @@ over every active request, then retires the finished ones (EOS: the round's toke
 it are dropped; or ``max_new_tokens``), which release their KV storage.  A finished request's
 ``on_done`` may queue follow-ups (the next turn of a conversation) at the front.
 
-Batch 1 is this loop with one slot: ``SpeculativePipeline.generate`` is a batch of one.
+Batch 1 is this loop with one slot: ``generate(pipeline, prompt, ...)`` is a batch of one.
+The scheduler meets the pipeline only through the ``Pipeline`` protocol
+(``specflow.protocols``): the engine and the scheduler do not import each other.
 Each request has its own ``DecodeState`` (tokens, generator, statistics, the stages' data),
 so greedy output is identical at every batch size, and sampling draws the same random
 numbers as batch 1 for a seed.
@@ -22,11 +24,35 @@ from typing import Any
 
 import torch
 
-from specflow.engine import Generation, SpeculativePipeline
 from specflow.errors import ConfigError, PromptTooLongError
-from specflow.models.stores import KVLayout, KVStores
-from specflow.paged.cache import CacheFullError
-from specflow.state import DecodeState, SamplingParams
+from specflow.kv.paged import CacheFullError
+from specflow.kv.stores import KVLayout, KVStores
+from specflow.protocols import Pipeline
+from specflow.sampling import SamplingParams
+from specflow.state import DecodeState, RoundStats, StageTimes
+
+
+@dataclass
+class Generation:
+    """The outcome of one request (``generate``, or a ``BatchResult``).
+
+    Attributes:
+        tokens: the generated token ids (prompt excluded), EOS included when hit.
+        stats: round counters (tau, acceptance).
+        times: seconds per stage.
+        total_s: wall-clock seconds of the whole call, prefill included.
+        stop_reason: "eos" or "length".
+        nested_stats: round counters of nested pipelines, by level.
+        nested_times: seconds per stage of nested pipelines, by level.
+    """
+
+    tokens: list[int]
+    stats: RoundStats
+    times: StageTimes
+    total_s: float
+    stop_reason: str
+    nested_stats: dict[str, RoundStats] = field(default_factory=dict)
+    nested_times: dict[str, StageTimes] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,7 +128,7 @@ class Scheduler:
 
     def __init__(
         self,
-        pipeline: SpeculativePipeline,
+        pipeline: Pipeline,
         batch_size: int = 1,
         layout: KVLayout | None = None,
         max_context: int = 2048,
@@ -111,7 +137,12 @@ class Scheduler:
             raise ConfigError(f"runner.batch_size must be >= 1, got {batch_size}")
         self.pipeline = pipeline
         self.batch_size = batch_size
-        self.kv = KVStores(layout, max_seqs=batch_size, max_context=max_context)
+        self.kv = KVStores(
+            layout,
+            max_seqs=batch_size,
+            max_context=max_context,
+            max_draft=pipeline.max_draft_len,  # static steps take up to k + 1 rows
+        )
         self.models = list({id(use.lm): use.lm for use in pipeline.uses()}.values())
         self.kv.register(self.models)
         self.clock = pipeline.clock
@@ -142,6 +173,7 @@ class Scheduler:
             generator=torch.Generator().manual_seed(req.seed),
             kv=self.kv,
             seq_id=self.kv.new_sequence(),
+            clock=self.clock,
         )
 
     def generate(
@@ -258,7 +290,7 @@ def _round_event(state: DecodeState, committed: int) -> dict[str, int]:
     s = state.stats
     return {
         "round": s.rounds,
-        "k": s.chosen_k[-1],
+        "k": s.asked_per_round[-1],  # the draft length asked this round
         "drafted": s.drafted_per_round[-1],
         "accepted": s.accepted_per_round[-1],
         "committed": committed,
@@ -276,3 +308,25 @@ def _generation(a: _Active, now: float) -> Generation:
         nested_stats=st.nested_stats,
         nested_times=st.nested_times,
     )
+
+
+def generate(
+    pipeline: Pipeline,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
+    stop_token_ids: tuple[int, ...] | None = None,
+    on_round: Callable[[dict[str, int]], None] | None = None,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt`` (stop at EOS, or at
+    ``stop_token_ids``): a batch of one through ``Scheduler`` with contiguous KV.
+
+    ``on_round`` (optional) is called after every round with ``{"round", "k", "drafted",
+    "accepted", "committed"}`` (the round-end hook of callbacks; ``k``: the draft length
+    asked).
+    """
+    hook = None if on_round is None else (lambda _req, event: on_round(event))
+    request = SeqRequest(prompt, max_new_tokens, seed, stop_token_ids=stop_token_ids)
+    (result,) = Scheduler(pipeline, batch_size=1).generate([request], sampling, on_round=hook)
+    return result.generation

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.stores import LAYOUTS, KVLayout, as_dtype
-from specflow.paged.attention import BACKENDS
+from specflow.kv.kernels import BACKENDS
+from specflow.kv.stores import LAYOUTS, KVLayout, as_dtype
 
 
 @dataclass
@@ -31,7 +31,8 @@ class RunSettings:
             request and a drift above 10 % is reported.
         use_chat_template, system_prompt: how prompts are built.
         threads: torch threads (``None``: torch's choice).
-        cache_dir: default ``$SPECFLOW_CACHE`` or ``~/.cache/specflow``.
+        cache_dir: the cache root of prepared models, trained heads and cached baselines
+            (``specflow.cache_root``; ``None``: ``$SPECFLOW_CACHE`` or ``~/.cache/specflow``).
         batch_size: requests decoded at once (continuous batching).
         device: ``cpu`` | ``cuda``: where the models run.
         dtype: run the models in ``float32`` | ``bfloat16`` | ``float16`` (``None``: as
@@ -40,7 +41,7 @@ class RunSettings:
         attention: paged attention kernel: ``auto`` | ``sdpa`` | ``flash``.
         block_size: paged KV block size (``None``: 16, or 256 with flash).
         cuda_graphs: on CUDA with paged KV, replay decode/verify steps as CUDA graphs
-            (captured per batch bucket and query length; ``specflow.paged.static``).
+            (captured per batch bucket and query length; ``specflow.kv.static``).
     """
 
     max_new_tokens: int = 128

@@ -4,12 +4,19 @@ Glossary (the one place these terms are defined; the README's "What a run writes
 them):
 
 - **round**: one draft -> (intermediate verify) -> target verify -> accept cycle.  Plain
-  decoding is a pipeline whose rounds draft nothing (k = 0).
-- **k**: the number of draft tokens proposed in a round.
-- **accepted tokens**: draft tokens the acceptor keeps in a round (0..k).
+  decoding is a pipeline whose rounds draft nothing (asked = 0).
+- **k** (config ``drafter.k``): a drafter's maximum draft length, the most tokens it
+  proposes in one round (``Drafter.k``; a pipeline's rounds verify at most its drafter's k,
+  ``SpeculativePipeline.max_draft_len``).
+- **asked**: the draft length a round asks of the drafter for one request:
+  ``0 <= asked <= min(k, budget - 1)`` (``budget - 1``: the round's bonus token must still
+  fit ``max_new_tokens``), chosen by the draft-length policy (``RoundStats.asked_per_round``).
+- **drafted**: the tokens the drafter proposed, ``len(Draft.tokens) <= asked`` (a lookup may
+  find fewer; a drafter may stop when unsure).
+- **accepted tokens**: draft tokens the acceptor keeps in a round (0..drafted).
 - **bonus / correction token**: the one token the target contributes each round: its own
   choice at the first rejected position (correction), or after the last draft token when
-  all k are accepted (bonus).  Every round therefore commits ``accepted + 1`` tokens
+  all drafted tokens are accepted (bonus).  Every round therefore commits ``accepted + 1`` tokens
   (fewer only when EOS or ``max_new_tokens`` cuts the round short).
 - **tau (mean accepted length)**: tokens the acceptor commits per target-verifier call,
   bonus included: ``tau = 1 + accepted / rounds``.  Plain decoding has tau = 1.00.  It
@@ -23,41 +30,21 @@ them):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import torch
 
-from specflow.errors import ConfigError
+from specflow.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from specflow.models.base import LayeredLM
-    from specflow.models.session import ModelSession
-    from specflow.models.stores import KVStores
+    from specflow.kv.base import LayeredLM
+    from specflow.kv.session import ModelSession
+    from specflow.kv.stores import KVStores
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are chosen.  ``temperature == 0`` is greedy (argmax)."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = no top-k filter
-    top_p: float = 1.0  # 1.0 = no nucleus filter
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclass
@@ -65,23 +52,20 @@ class Draft:
     """What a drafter proposes in one round.
 
     Attributes:
-        tokens: the k proposed token ids.
-        probs: ``[k, V]`` the drafter's (warped) distributions q the tokens were sampled
-            from, or ``None`` for a deterministic drafter (greedy argmax, prompt lookup):
-            q is then one-hot on each token.
+        tokens: the proposed token ids (``drafted = len(tokens) <= asked``, see the glossary).
+        probs: ``[drafted, V]`` the drafter's (warped) distributions q the tokens were
+            sampled from, or ``None`` for a deterministic drafter (greedy argmax, prompt
+            lookup): q is then one-hot on each token.
         catchup_s: seconds of the proposal spent bringing the drafter's own cache up to the
             committed tokens before its first drafting step (its lazy prefill, the tokens
-            committed since it last ran).  A cost of syncing, not of drafting: draft-length
-            policies subtract it to measure the per-token drafting cost.
+            committed since it last ran), read from ``DecodeState.clock`` like every stage
+            time.  A cost of syncing, not of drafting: draft-length policies subtract it to
+            measure the per-token drafting cost.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     catchup_s: float = 0.0
-
-    @property
-    def k(self) -> int:
-        return len(self.tokens)
 
 
 @dataclass
@@ -89,7 +73,7 @@ class Acceptance:
     """An acceptor's verdict on one round.
 
     Attributes:
-        num_accepted: how many leading draft tokens are kept (0..k).
+        num_accepted: how many leading draft tokens are kept (0..drafted).
         next_token: the bonus / correction token the target contributes.
     """
 
@@ -132,7 +116,7 @@ class RoundStats:
     # Per named verification level (e.g. "intermediate", "target"): drafted and accepted.
     level_drafted: dict[str, int] = field(default_factory=dict)
     level_accepted: dict[str, int] = field(default_factory=dict)
-    chosen_k: list[int] = field(default_factory=list)  # k asked of the drafter, per round
+    asked_per_round: list[int] = field(default_factory=list)  # see the glossary: asked
     drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
     # A drafter pool (MetaSD): per pool round, the chosen arm and its reward in [0, 1];
@@ -187,7 +171,7 @@ class RequestLocal(Generic[T]):
         value = state.locals.get(self)
         if value is None:
             value = state.locals[self] = self.factory(state)
-        return value  # type: ignore[return-value]
+        return cast(T, value)  # stored under this key by ``factory`` or ``set``: a T
 
     def set(self, state: DecodeState, value: T) -> None:
         state.locals[self] = value
@@ -209,6 +193,10 @@ class DecodeState:
         sessions: one ``ModelSession`` per model (keyed by ``id(model)``), shared by every
             stage using that model; opened through ``kv`` on first use.
         locals: the stages' typed per-request data (see ``RequestLocal``).
+        clock: the run's seconds counter (the scheduler sets the pipeline's injected clock;
+            tests pass a deterministic one).  A stage that times part of its own work (a
+            drafter's catch-up, ``Draft.catchup_s``) reads this clock, so its seconds can be
+            compared with, and subtracted from, the engine's stage times.
     """
 
     tokens: list[int]
@@ -225,6 +213,7 @@ class DecodeState:
     # Round counters of nested pipelines (a pipeline used as a drafter), by level name.
     nested_stats: dict[str, RoundStats] = field(default_factory=dict)
     nested_times: dict[str, StageTimes] = field(default_factory=dict)
+    clock: Callable[[], float] = time.perf_counter
 
     def stats_for_level(self, level: str) -> RoundStats:
         """The counters of the nested pipeline named ``level`` (created on first use)."""
@@ -239,9 +228,11 @@ class DecodeState:
         sess = self.sessions.get(id(model))
         if sess is None:
             if self.kv is None:
-                from specflow.models.stores import KVStores
-
-                self.kv = KVStores()
+                raise RuntimeError(
+                    "DecodeState.kv is not set, so the request has nowhere to keep its keys/"
+                    "values: states come from the scheduler (specflow.scheduler.Scheduler); "
+                    "a state built by hand needs kv=KVStores() (specflow.kv.stores)"
+                )
             sess = self.kv.open(model, self.max_len, self.seq_id)
             self.sessions[id(model)] = sess
         return sess

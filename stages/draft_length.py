@@ -1,6 +1,10 @@
-"""Draft-length policies (config group ``draft_length``): how many tokens to draft this round.
+"""Draft-length policies (config group ``draft_length``): how many tokens a round asks for.
 
-- ``FixedDraftLength``: always the drafter's k (the default when no policy is set).
+Each round the engine offers a policy ``limit = min(drafter.k, budget - 1)`` (the drafter's
+maximum, never past ``max_new_tokens``) and the policy returns the asked length in
+``0..limit`` (glossary: ``specflow.state``).
+
+- ``FixedDraftLength``: always the limit (the default when no policy is set).
 - ``HeuristicDraftLength``: Hugging Face's rule: +2 after a fully accepted draft, -1 otherwise.
 - ``AdaptiveDraftLength``: a cost model measured online per request, maximizing expected
   tokens per second, k = 0 (skip drafting: a plain decoding round) included.
@@ -12,7 +16,7 @@ The adaptive model.  Draft tokens are accepted one after the other with probabil
 
 and costs ``k * t_draft + t_verify(k + 1)`` seconds, with ``t_verify(n) = t1 * (1 + beta (n-1))``
 (one target pass over n tokens; beta is the marginal cost of an extra token, measured).
-It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..k_max``.  alpha is estimated from
+It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..limit``.  alpha is estimated from
 the positions tried (a position is tried when every earlier one was accepted), with a
 Beta(1, 1) prior and a discount so it follows drift within a request, and used
 optimistically (alpha + ``optimism`` standard errors).  A new request inherits the
@@ -39,13 +43,13 @@ from specflow.state import DecodeState, RequestLocal
 
 
 class FixedDraftLength:
-    """Always ``k_max`` (the drafter's k, capped near the end of generation)."""
+    """Always the limit (the drafter's k, capped near the end of generation)."""
 
     def begin(self, state: DecodeState) -> None:
         pass
 
-    def choose(self, state: DecodeState, k_max: int) -> int:
-        return k_max
+    def choose(self, state: DecodeState, limit: int) -> int:
+        return limit
 
     def observe(
         self,
@@ -71,8 +75,8 @@ class HeuristicDraftLength:
     def begin(self, state: DecodeState) -> None:
         self._k.set(state, [self.initial])
 
-    def choose(self, state: DecodeState, k_max: int) -> int:
-        return min(self._k.get(state)[0], k_max)
+    def choose(self, state: DecodeState, limit: int) -> int:
+        return min(self._k.get(state)[0], limit)
 
     def observe(
         self,
@@ -178,10 +182,10 @@ class AdaptiveDraftLength:
         """The request's online estimates."""
         return self._model.get(state)
 
-    def choose(self, state: DecodeState, k_max: int) -> int:
+    def choose(self, state: DecodeState, limit: int) -> int:
         m = self._model.get(state)
         if m.t1 is None or m.t_draft is None:
-            return k_max  # measure a drafting round first (t1 comes from k = 0 or is derived)
+            return limit  # measure a drafting round first (t1 comes from k = 0 or is derived)
         if not m.t1_measured:
             # One plain round per request measures t1 itself: derived from drafting rounds
             # alone, t1 and beta are confounded (and t1 grows with the context length).
@@ -194,7 +198,7 @@ class AdaptiveDraftLength:
             return 1 if catchup <= self.probe_budget * remaining * m.t1 else 0
         alpha = m.alpha(self.optimism)
         best_k, best_rate = 0, 1.0 / m.t1
-        for k in range(1, k_max + 1):
+        for k in range(1, limit + 1):
             cost = k * m.t_draft + m.t1 * (1.0 + m.beta * k)
             rate = expected_tokens(alpha, k) / cost
             if rate > best_rate:

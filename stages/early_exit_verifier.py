@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
+from specflow.catchup import catch_up
 from specflow.errors import ConfigError
 from specflow.models.resolve import as_layered_lm
 from specflow.protocols import ModelUse
 from specflow.state import DecodeState, Draft
-from specflow.verification import prefill, score_at_exit
+from specflow.verification import score_at_exit
 
 
 class EarlyExitVerifier:
@@ -47,7 +48,7 @@ class EarlyExitVerifier:
         return [ModelUse(self.lm, self.exit_layer)]
 
     def begin(self, states: list[DecodeState]) -> None:
-        prefill(states, self.lm, self.exit_layer)
+        catch_up(states, self.lm, self.exit_layer)
 
     def score(self, states: list[DecodeState], drafts: list[Draft]) -> list[torch.Tensor]:
         return score_at_exit(states, self.lm, self.exit_layer, drafts)  # [k_i+1, V] each

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.base import ModelInfo
-from specflow.protocols import Drafter, ModelUse
+from specflow.kv.base import ModelInfo
+from specflow.protocols import Drafter, ModelUse, draft_limit
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
 
@@ -25,12 +25,12 @@ class FallbackDrafter:
     """``first``'s draft when it has at least ``min_tokens`` tokens, else ``then``'s.
 
     Args:
-        first: the drafter asked first (its k caps its drafts).
-        then: the drafter asked for the requests ``first`` left short (its k caps them).
+        first: the drafter asked first.
+        then: the drafter asked for the requests ``first`` left short.
         min_tokens: the shortest draft of ``first`` that is used.
 
-    ``k`` is the larger of the two drafters' k: a draft-length policy's choice ``ks[i]`` is
-    passed on, capped by each drafter's own k.
+    ``k`` is the larger of the two drafters' k; the length asked of this drafter is passed
+    on to each part through ``draft_limit`` (capped by that part's own k).
     """
 
     name = "fallback"
@@ -55,12 +55,12 @@ class FallbackDrafter:
         self.first.begin(states)
         self.then.begin(states)
 
-    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
-        drafts = self.first.propose(states, [min(k, self.first.k) for k in ks])
-        short = [i for i, d in enumerate(drafts) if d.k < self.min_tokens]
+    def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
+        drafts = self.first.propose(states, [draft_limit(self.first, n) for n in asked])
+        short = [i for i, d in enumerate(drafts) if len(d.tokens) < self.min_tokens]
         if short:
             more = self.then.propose(
-                [states[i] for i in short], [min(ks[i], self.then.k) for i in short]
+                [states[i] for i in short], [draft_limit(self.then, asked[i]) for i in short]
             )
             for i, draft in zip(short, more, strict=True):
                 drafts[i] = draft

@@ -16,15 +16,15 @@ then cut back to the positions computed from the target's features.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specflow.errors import ConfigError, ModelNotFoundError
-from specflow.models.attention import KVCache
-from specflow.models.base import ModelInfo
+from specflow.kv.base import ModelInfo
+from specflow.kv.contiguous import KVCache
+from specflow.kv.session import common_prefix_length
 from specflow.models.feature_head import (
     FeatureDraftModel,
     default_feature_head_path,
@@ -32,7 +32,6 @@ from specflow.models.feature_head import (
 )
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
-from specflow.models.session import common_prefix_length
 from specflow.protocols import ModelUse
 from specflow.sampling import choose
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
@@ -46,7 +45,7 @@ class FeatureDrafter:
             the target verifier's session of it).
         head: a feature-head file, or ``default`` for
             ``<cache>/heads/<model>/feature_head.safetensors``.
-        k: draft length.
+        k: the most tokens drafted per round (``Drafter.k``, config ``drafter.k``).
         min_confidence: stop drafting once the head's top probability drops below this.
     """
 
@@ -93,7 +92,7 @@ class FeatureDrafter:
         return dm
 
     def _new_cache(self, state: DecodeState) -> KVCache:
-        return self._draft_model(state).new_cache(state.max_len)
+        return KVCache(self._draft_model(state).kv, state.max_len)
 
     def begin(self, states: list[DecodeState]) -> None:
         """Keep the target's features from position 0 on; a fresh head cache per request."""
@@ -101,9 +100,9 @@ class FeatureDrafter:
             st.session(self.lm).retain_final_from(0)
             self._kv.set(st, self._new_cache(st))
 
-    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+    def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in states]
-        todo = [i for i, k in enumerate(ks) if k > 0 and len(states[i].tokens) >= 2]
+        todo = [i for i, n in enumerate(asked) if n > 0 and len(states[i].tokens) >= 2]
         if not todo:
             return drafts
         dm = self._draft_model(states[todo[0]])
@@ -120,11 +119,12 @@ class FeatureDrafter:
             feats.append(sess.final_features(start, end))
             ids += st.tokens[start + 1 : end + 1]
             batch.append((kv, end - start))
-            catchup.append(end - start > ks[i] + 1)
-        t0 = time.perf_counter()
+            catchup.append(end - start > asked[i] + 1)
+        clock = states[todo[0]].clock  # the pipeline's clock (Draft.catchup_s)
+        t0 = clock()
         rows = torch.cat(feats) if len(feats) > 1 else feats[0]
         out = dm.step(rows, torch.tensor(ids, dtype=torch.long), batch)  # [R, H]
-        step0_s = time.perf_counter() - t0
+        step0_s = clock() - t0
         ends = torch.tensor([t for _, t in batch]).cumsum(0) - 1
         predicted = out[ends]  # [A, H]: f^_{n-1} per request
         tokens: dict[int, list[int]] = {i: [] for i in todo}
@@ -144,7 +144,7 @@ class FeatureDrafter:
                     q_rows[i].append(dm.to_vocab(probs))
                 confident = (self.min_confidence <= 0.0
                              or float(row.softmax(-1).max()) >= self.min_confidence)
-                if confident and ks[i] > step + 1:
+                if confident and asked[i] > step + 1:
                     still.append(i)
                     still_rows.append(j)
                     next_ids.append(tok)

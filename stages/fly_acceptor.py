@@ -217,7 +217,7 @@ class FlyAcceptor:
         return default_window(k)
 
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
-        k = draft.k
+        k = len(draft.tokens)  # the tokens drafted
         greedy = state.sampling.greedy
         idx = torch.tensor(draft.tokens, dtype=torch.long)
         rows = torch.arange(k)

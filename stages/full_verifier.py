@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
+from specflow.catchup import catch_up
 from specflow.models.resolve import as_layered_lm
 from specflow.protocols import ModelUse
 from specflow.state import DecodeState, Draft
-from specflow.verification import prefill, score_at_exit
+from specflow.verification import score_at_exit
 
 
 class FullVerifier:
@@ -27,7 +28,7 @@ class FullVerifier:
         return [ModelUse(self.lm, self.info.num_layers)]
 
     def begin(self, states: list[DecodeState]) -> None:
-        prefill(states, self.lm, self.info.num_layers)
+        catch_up(states, self.lm, self.info.num_layers)
 
     def score(self, states: list[DecodeState], drafts: list[Draft]) -> list[torch.Tensor]:
         return score_at_exit(states, self.lm, self.info.num_layers, drafts)  # [k_i+1, V] each

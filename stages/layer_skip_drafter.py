@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
+from specflow.catchup import catch_up
 from specflow.drafting import draft_with_model
 from specflow.errors import ConfigError
-from specflow.models.base import ModelInfo
+from specflow.kv.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
 from specflow.models.views import LayerSkipView
 from specflow.protocols import ModelUse
 from specflow.state import Acceptance, DecodeState, Draft
-from specflow.verification import prefill
 
 
 class LayerSkipDrafter:
@@ -38,10 +38,10 @@ class LayerSkipDrafter:
         return [ModelUse(self.view, self.view.info.num_layers)]
 
     def begin(self, states: list[DecodeState]) -> None:
-        prefill(states, self.view, self.view.info.num_layers)
+        catch_up(states, self.view, self.view.info.num_layers)
 
-    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
-        return draft_with_model(states, self.view, self.view.info.num_layers, ks)
+    def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
+        return draft_with_model(states, self.view, self.view.info.num_layers, asked)
 
     def observe(
         self,

@@ -15,7 +15,7 @@ import torch
 
 from specflow.drafting import SubVocabHead, draft_with_model
 from specflow.errors import ConfigError
-from specflow.models.base import ModelInfo
+from specflow.kv.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
 from specflow.protocols import ModelUse
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
@@ -26,7 +26,7 @@ class ModelDrafter:
 
     Args:
         model: the draft model (config mapping, name/path, or a loaded model).
-        k: draft length.
+        k: the most tokens drafted per round (``Drafter.k``, config ``drafter.k``).
         exit_layer: draft from this exit (1..N); an early exit of the target is
             self-speculative drafting.  A float in (0, 1) is a fraction of the depth,
             ``round(exit_layer * N)`` (at least 1): one config fits targets of any depth.
@@ -81,7 +81,7 @@ class ModelDrafter:
             return None
         always = list(state.tokens) + list(self.lm.info.eos_token_ids)
         model = state.session(self.lm).model  # the model as placed for this run
-        return SubVocabHead.build(model, self.vocab_subset, always)  # type: ignore[arg-type]
+        return SubVocabHead.build(model, self.vocab_subset, always)
 
     def begin(self, states: list[DecodeState]) -> None:
         """The requests' vocabulary subsets, if any.  No prefill: the drafter's session
@@ -90,10 +90,10 @@ class ModelDrafter:
         for st in states:
             self._subvocab.set(st, self._build_subvocab(st))
 
-    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+    def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         subvocabs = [self._subvocab.get(st) for st in states]
         return draft_with_model(
-            states, self.lm, self.exit_layer, ks, self.min_confidence, subvocabs=subvocabs
+            states, self.lm, self.exit_layer, asked, self.min_confidence, subvocabs=subvocabs
         )
 
     def observe(

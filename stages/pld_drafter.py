@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.base import ModelInfo
+from specflow.kv.base import ModelInfo
 from specflow.protocols import ModelUse
 from specflow.state import Acceptance, DecodeState, Draft
 
@@ -38,7 +38,7 @@ class PLDDrafter:
     """Prompt lookup drafter (see module doc).
 
     Args:
-        k: draft length.
+        k: the most tokens drafted per round (``Drafter.k``, config ``drafter.k``).
         max_ngram: longest suffix n-gram to look up.
         min_ngram: shortest suffix n-gram to look up.
     """
@@ -65,10 +65,10 @@ class PLDDrafter:
     def uses(self) -> list[ModelUse]:
         return []
 
-    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+    def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         return [
             Draft(lookup_continuation(st.tokens, k, self.max_ngram, self.min_ngram))
-            for st, k in zip(states, ks, strict=True)
+            for st, k in zip(states, asked, strict=True)
         ]
 
     def observe(

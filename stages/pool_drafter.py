@@ -2,7 +2,8 @@
 
 The arms are any drafters (an independent draft model, prompt lookup, early exits of the
 target, a nested pipeline...).  Each round ``selector.select()`` picks arm i; only arm i
-drafts (``min(arm.k, k)`` tokens).  After verification the engine calls ``observe`` and
+drafts (``draft_limit(arm, asked)`` = ``min(asked, arm.k)`` tokens; the pool's k is the
+largest arm k).  After verification the engine calls ``observe`` and
 the pool reports ``selector.update(i, reward)``, with a reward in [0, 1]:
 
 - ``bd`` (block divergence, MetaSD's default; dense and never exactly 0 for a model
@@ -14,10 +15,12 @@ the pool reports ``selector.update(i, reward)``, with a reward in [0, 1]:
   has none (greedy drafting, prompt lookup): then TV = 1 - p_j(x_j).  p_j is the target's
   warped distribution when sampling; in greedy mode the softmax of the target's logits
   at temperature 1.  An empty draft (no lookup match) scores 0.
-- ``be`` (block efficiency): accepted / k, with k the draft length asked of the pool.
+- ``be`` (block efficiency): accepted / asked, with asked the draft length asked of the
+  pool this round.
 
 Arms that did not draft fall behind: their model sessions miss the tokens committed
-meanwhile.  They catch up lazily, when next chosen, in one block (before drafting); the
+meanwhile.  They catch up lazily, when next chosen, in one block before drafting
+(``specflow.catchup.catch_up`` per model the arm uses, timed with the requests' clock); the
 pool counts those positions and seconds in ``RoundStats.catchup_tokens`` / ``catchup_s``
 for rounds where the chosen arm was idle in the previous pool round (a switch).  Every
 pool round appends the arm and its reward to ``RoundStats.arms`` / ``rewards``.
@@ -26,16 +29,15 @@ pool round appends the arm and its reward to ``RoundStats.arms`` / ``rewards``.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from specflow.catchup import CatchUp, catch_up
 from specflow.errors import ConfigError
-from specflow.models.base import ModelInfo
-from specflow.models.session import forward_hidden
-from specflow.protocols import BanditStats, Drafter, ModelUse, Selector
+from specflow.kv.base import ModelInfo
+from specflow.protocols import BanditStats, Drafter, ModelUse, Selector, draft_limit
 from specflow.sampling import warp
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
@@ -66,30 +68,24 @@ def block_divergence(
     return float(1.0 - tv.mean().clamp(0.0, 1.0))
 
 
-def catch_up(states: list[DecodeState], uses: list[ModelUse]) -> list[int]:
-    """Bring each request's sessions of ``uses`` up to its committed tokens (all but the
-    last, as prefill does), one batched forward per model.
-
-    Returns per request the number of positions processed at layer 0 (summed over uses).
-    """
+def sync_arm(states: list[DecodeState], uses: list[ModelUse]) -> CatchUp:
+    """Bring each request's sessions of an arm's ``uses`` up to its committed tokens
+    (``catch_up`` per model, one batched forward each): positions processed per request and
+    seconds, summed over the uses."""
     behind = [0] * len(states)
+    seconds = 0.0
     for use in uses:
-        todo = []
-        for i, st in enumerate(states):
-            session = st.session(use.lm)
-            session.set_tokens(st.tokens)
-            end = len(st.tokens) - 1
-            behind[i] += max(0, end - session.computed(0))
-            if end > 0:
-                todo.append((session, use.exit_layer, end))
-        forward_hidden(todo)
-    return behind
+        done = catch_up(states, use.lm, use.exit_layer)
+        behind = [a + b for a, b in zip(behind, done.behind, strict=True)]
+        seconds += done.seconds
+    return CatchUp(behind, seconds)
 
 
 @dataclass
 class PoolRequest:
     """A pool's per-request data: the bandit statistics it selects from, the arm that
-    drafted last (a switch means catching up), and the arm and k awaiting a reward."""
+    drafted last (a switch means catching up), and the arm and asked draft length awaiting
+    a reward."""
 
     bandit: BanditStats
     last: int | None = None
@@ -160,34 +156,34 @@ class PoolDrafter:
         for st in states:
             self._request.set(st, PoolRequest(self.selector.begin(len(self.arms))))
 
-    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+    def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         """Each request's selector picks its arm; each arm drafts for its requests at once."""
         groups: dict[int, list[int]] = {}
         for i, st in enumerate(states):
             arm = self.selector.select(self._request.get(st).bandit)
             groups.setdefault(arm, []).append(i)
-        drafts: list[Draft] = [Draft([]) for _ in states]  # one object per request
+        drafts: dict[int, Draft] = {}  # request index -> its arm's draft (its own object)
         for arm, idx in groups.items():
             drafter = self.arms[arm]
             switched = [i for i in idx if self._request.get(states[i]).last != arm]
-            catchup_s = 0.0
+            sync = CatchUp([0] * len(switched))
             if switched and self._uses[arm]:
-                t0 = time.perf_counter()
-                behind = catch_up([states[i] for i in switched], self._uses[arm])
-                catchup_s = time.perf_counter() - t0
-                for i, n in zip(switched, behind, strict=True):
+                sync = sync_arm([states[i] for i in switched], self._uses[arm])
+                for i, n in zip(switched, sync.behind, strict=True):
                     states[i].stats.catchup_tokens += n
-                    states[i].stats.catchup_s += catchup_s
+                    states[i].stats.catchup_s += sync.seconds
             for i in idx:
                 mine = self._request.get(states[i])
                 mine.last = arm
-                mine.pending = (arm, ks[i])
-            out = drafter.propose([states[i] for i in idx], [min(drafter.k, ks[i]) for i in idx])
+                mine.pending = (arm, asked[i])
+            out = drafter.propose(
+                [states[i] for i in idx], [draft_limit(drafter, asked[i]) for i in idx]
+            )
             for i, draft in zip(idx, out, strict=True):
                 if i in switched:
-                    draft.catchup_s += catchup_s
+                    draft.catchup_s += sync.seconds
                 drafts[i] = draft
-        return drafts
+        return [drafts[i] for i in range(len(states))]
 
     def observe(
         self,
@@ -206,15 +202,16 @@ class PoolDrafter:
         mine = self._request.get(state)
         if mine.pending is None:
             return
-        arm, k = mine.pending
+        arm, asked = mine.pending
         mine.pending = None
+        drafted = len(draft.tokens)
         if self.reward == "be":
-            reward = verdict.num_accepted / k
+            reward = verdict.num_accepted / asked
         elif state.sampling.greedy:
-            p = target_logits[: draft.k].float().softmax(-1)  # temperature 1
+            p = target_logits[:drafted].float().softmax(-1)  # temperature 1
             reward = block_divergence(draft.tokens, draft.probs, p)
         else:
-            p = warp(target_logits[: draft.k], state.sampling)
+            p = warp(target_logits[:drafted], state.sampling)
             reward = block_divergence(draft.tokens, draft.probs, p)
         self.selector.update(mine.bandit, arm, reward)
         state.stats.arms.append(arm)

@@ -63,7 +63,7 @@ def _hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
 def two_token_law(lm, prompt: list[int], sampling) -> dict[tuple[int, int], float]:
     """The target's exact law of its next two sampled tokens after ``prompt``:
     ``{(t1, t2): p(t1) p(t2 | t1)}`` over the tokens the warp keeps."""
-    from specflow.models.session import ModelSession
+    from specflow.kv.session import ModelSession
     from specflow.sampling import warp
 
     top = lm.info.num_layers

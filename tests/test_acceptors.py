@@ -8,13 +8,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specflow.acceptance import greedy_accept, rejection_accept
+from specflow.acceptance import StandardAcceptor, greedy_accept, rejection_accept
 from specflow.engine import SpeculativePipeline
-from specflow.sampling import warp
-from specflow.state import SamplingParams
+from specflow.sampling import SamplingParams, warp
+from specflow.scheduler import generate
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
-from stages.rejection_acceptor import RejectionAcceptor
 
 
 def logits_for(argmaxes: list[int], vocab: int = 6) -> torch.Tensor:
@@ -102,10 +101,10 @@ def test_sampled_pipeline_matches_target_distribution(tiny_target, tiny_drafter,
     _, draft_lm = tiny_drafter
     sampling = SamplingParams(temperature=1.0, top_k=3)
     drafter = ModelDrafter(draft_lm, k=2, vocab_subset=vocab_subset)
-    pipe = SpeculativePipeline(FullVerifier(lm), RejectionAcceptor(), drafter=drafter)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
     prompt = [1, 5, 9]
     # Exact law of (t1, t2) under the warped target.
-    from specflow.models.session import ModelSession
+    from specflow.kv.session import ModelSession
 
     sess = ModelSession(lm, 16)
     sess.set_tokens(prompt)
@@ -119,7 +118,7 @@ def test_sampled_pipeline_matches_target_distribution(tiny_target, tiny_drafter,
     trials = 1500
     counts = dict.fromkeys(law, 0)
     for seed in range(trials):
-        toks = tuple(pipe.generate(prompt, 2, sampling, seed=seed, stop_token_ids=()).tokens)
+        toks = tuple(generate(pipe, prompt, 2, sampling, seed=seed, stop_token_ids=()).tokens)
         counts[toks] += 1  # a KeyError here = a token outside the target's support
     cells = list(law)
     pvalue = chisquare(

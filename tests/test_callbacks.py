@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,25 @@ from callbacks.sweep import (
 )
 from callbacks.sweep import main as sweep_main
 from specflow import compare
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.metrics import flatten_record, flatten_summary
+from specflow.records import (
+    BaselineMetrics,
+    PoolMetrics,
+    RequestMetrics,
+    RequestRecord,
+    RunMeta,
+    RunSummary,
+    TurnRecord,
+)
 from specflow.results import RunFolder, read_records, summarize, wilson_interval
 from specflow.runner import Runner
+from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings
-from specflow.state import Draft, SamplingParams
+from specflow.state import Draft
 from specflow.workload import Request
-from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from tests.conftest import CharTokenizer, NoopCallback
 
@@ -51,51 +62,60 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def fake_record(i: int, category: str, task: dict[str, float] | None = None,
-                arms: list[int] | None = None) -> dict[str, Any]:
-    """A record shaped like ``Runner.run_request``'s (4 rounds, k=3)."""
+                arms: list[int] | None = None) -> RequestRecord:
+    """A record shaped like ``Runner._record``'s (4 rounds, k=3)."""
     accepted = [1, 2, 3, i % 4]
     new_tokens = sum(accepted) + len(accepted)
     total_s = 0.5 + 0.1 * i
-    metrics: dict[str, Any] = {
-        "new_tokens": new_tokens,
-        "total_s": total_s,
-        "tokens_per_s": new_tokens / total_s,
-        "rounds": 4,
-        "target_calls": 4,
-        "drafted": 12,
-        "accepted": sum(accepted),
-        "tau": 1 + sum(accepted) / 4,
-        "acceptance_rate": sum(accepted) / 12,
-        "levels": {"intermediate": [12, 9], "target": [12, sum(accepted)]},
-        "time_per_stage": {"prefill_s": 0.05, "draft_s": 0.1, "intermediate_s": 0.05,
-                           "verify_s": 0.2, "accept_s": 0.01, "other_s": total_s - 0.41},
-        "drafted_per_round": [3, 3, 3, 3],
-        "accepted_per_round": accepted,
-        "baseline_tokens": new_tokens,
-        "baseline_s": 2 * total_s,
-        "baseline_tokens_per_s": new_tokens / (2 * total_s),
-        "baseline_cached": False,
-        "speedup": 2.0,
-        "matches_baseline": i != 3,
-    }
+    pool = None
     if arms is not None:
-        metrics["arms"] = arms
-    record = {
-        "request_id": f"r{i}",
-        "category": category,
-        "subcategory": None,
-        "output_text": "answer",
-        "turns": [{"prompt_tokens": 5, "output_text": "answer", "output_tokens": [1] * new_tokens,
-                   "new_tokens": new_tokens, "total_s": total_s, "stop_reason": "length"}],
-        "metrics": metrics,
-        "task": task or {},
-        "baseline_task": task or {},
-    }
-    return record
+        pool = PoolMetrics(arms=arms, arm_rewards=[0.5] * len(arms),
+                           arm_counts=[arms.count(a) for a in range(max(arms) + 1)],
+                           catchup_tokens=0, catchup_s=0.0)
+    metrics = RequestMetrics(
+        new_tokens=new_tokens,
+        total_s=total_s,
+        tokens_per_s=new_tokens / total_s,
+        rounds=4,
+        target_calls=4,
+        drafted=12,
+        accepted=sum(accepted),
+        tau=1 + sum(accepted) / 4,
+        acceptance_rate=sum(accepted) / 12,
+        levels={"intermediate": [12, 9], "target": [12, sum(accepted)]},
+        time_per_stage={"prefill_s": 0.05, "draft_s": 0.1, "intermediate_s": 0.05,
+                        "verify_s": 0.2, "accept_s": 0.01, "other_s": total_s - 0.41},
+        k_per_round=[3, 3, 3, 3],
+        rounds_skipped=0,
+        drafted_per_round=[3, 3, 3, 3],
+        accepted_per_round=accepted,
+        pool=pool,
+        latency_s=total_s,
+        queued_s=0.0,
+        baseline=BaselineMetrics(
+            baseline_tokens=new_tokens,
+            baseline_s=2 * total_s,
+            baseline_tokens_per_s=new_tokens / (2 * total_s),
+            baseline_cached=False,
+            speedup=2.0,
+            matches_baseline=i != 3,
+        ),
+    )
+    return RequestRecord(
+        request_id=f"r{i}",
+        category=category,
+        subcategory=None,
+        output_text="answer",
+        turns=[TurnRecord(prompt_tokens=5, output_text="answer", output_tokens=[1] * new_tokens,
+                          new_tokens=new_tokens, total_s=total_s, stop_reason="length")],
+        metrics=metrics,
+        task=dict(task or {}),
+        baseline_task=dict(task or {}),
+    )
 
 
 @pytest.fixture
-def records() -> list[dict[str, Any]]:
+def records() -> list[RequestRecord]:
     return [
         fake_record(0, "math_reasoning", {"task/gsm8k_exact": 1.0}, arms=[0, 1, 1, 2]),
         fake_record(1, "math_reasoning", {"task/gsm8k_exact": 0.0}, arms=[1, 1, 2, 2]),
@@ -105,15 +125,15 @@ def records() -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def summary(records) -> dict[str, Any]:
-    return summarize(records, {"method": "sps", "target_model": "tiny", "complete": True})
+def summary(records) -> RunSummary:
+    return summarize(records, RunMeta(method="sps", target_model="tiny"), complete=True)
 
 
-def drive(callback: Any, records: list[dict[str, Any]], summary: dict[str, Any],
+def drive(callback: Any, records: list[RequestRecord], summary: RunSummary,
           folder: Path) -> Any:
     """Call the hooks the way ``Runner.run`` does."""
-    meta = {"method": "sps", "target_model": "tiny", "models": ["tiny"],
-            "output_dir": str(folder), "config": {"method": "sps"}}
+    meta = RunMeta(method="sps", target_model="tiny", models=["tiny"],
+                   output_dir=str(folder), config={"method": "sps"})
     for hook, args in [("on_run_start", (meta, len(records)))]:
         if hasattr(callback, hook):
             getattr(callback, hook)(*args)
@@ -145,15 +165,18 @@ def test_record_and_summary_share_slash_names(records, summary):
 
 
 def test_objective_gates_on_accuracy_floor(summary):
-    assert objective(summary) == pytest.approx(summary["speedup"])
-    assert objective(summary, accuracy_floor=0.9) == pytest.approx(summary["speedup"])
-    worse = {**summary, "task/gsm8k_exact": 0.2}  # baseline 0.5: ratio 0.4 (bleu 1.0)
+    overall = summary.overall
+    assert objective(summary) == pytest.approx(overall.speedup)
+    assert objective(summary, accuracy_floor=0.9) == pytest.approx(overall.speedup)
+    # baseline 0.5: ratio 0.4 (bleu 1.0)
+    worse = replace(summary, overall=replace(overall, task={**overall.task,
+                                                            "task/gsm8k_exact": 0.2}))
     assert flatten_summary(worse)["quality/accuracy_ratio"] == pytest.approx(0.7)
     assert objective(worse, accuracy_floor=0.9) == 0.0
     assert objective(worse, metric="accept/tau", accuracy_floor=0.5) == pytest.approx(
-        summary["tau"]
+        overall.tau
     )
-    assert objective({"speedup": None}) is None
+    assert objective(replace(summary, overall=replace(overall, speedup=None))) is None
 
 
 # --- each callback writes what it should -------------------------------------------------------
@@ -165,14 +188,14 @@ def test_jsonl_logger(tmp_path, records, summary):
     events = [x["event"] for x in lines]
     assert events == ["run_start"] + ["request"] * 4 + ["category"] * 3 + ["summary"]
     assert lines[1]["request_id"] == "r0"
-    assert lines[1]["accept/tau"] == pytest.approx(records[0]["metrics"]["tau"])
-    assert lines[-1]["throughput/speedup"] == pytest.approx(summary["speedup"])
+    assert lines[1]["accept/tau"] == pytest.approx(records[0].metrics.tau)
+    assert lines[-1]["throughput/speedup"] == pytest.approx(summary.overall.speedup)
     assert lines[-1]["complete"] is True
 
 
 def test_jsonl_logger_without_known_folder_writes_at_the_end(tmp_path, records, summary):
     cb = JsonlLogger()
-    cb.on_run_start({"method": "sps"}, 1)  # no output_dir, not under Hydra: buffered
+    cb.on_run_start(RunMeta(method="sps"), 1)  # no output_dir, not under Hydra: buffered
     cb.on_request_end(records[0])
     assert not list(tmp_path.iterdir())
     cb.on_run_end(summary, tmp_path)
@@ -190,7 +213,7 @@ def test_csv_logger(tmp_path, records, summary):
     with (tmp_path / "summary.csv").open() as f:
         cats = list(csv.DictReader(f))
     assert [c["category"] for c in cats] == ["math_reasoning", "translation", "writing", "ALL"]
-    assert float(cats[-1]["throughput/speedup"]) == pytest.approx(summary["speedup"])
+    assert float(cats[-1]["throughput/speedup"]) == pytest.approx(summary.overall.speedup)
 
 
 def test_console_table(tmp_path, records, summary):
@@ -212,22 +235,21 @@ def test_plots(tmp_path, records, summary):
 
 def test_plots_without_arms_or_baseline(tmp_path, records):
     for r in records:
-        r["metrics"].pop("arms", None)
-        for k in ("baseline_tokens", "baseline_s", "baseline_tokens_per_s", "speedup"):
-            r["metrics"].pop(k)
-    summary = summarize(records, {"method": "pld"})
+        r.metrics.pool = None
+        r.metrics.baseline = None
+    summary = summarize(records, RunMeta(method="pld"), complete=True)
     cb = drive(Plots(), records, summary, tmp_path)
     assert {p.name for p in cb.written} == {"tau_hist.png", "time_per_stage.png"}
 
 
 def test_progress_bar_live_numbers(tmp_path, records, summary):
     cb = ProgressBar(disable=True)
-    cb.on_run_start({"method": "sps"}, len(records))
+    cb.on_run_start(RunMeta(method="sps"), len(records))
     for r in records:
         cb.on_request_end(r)
     post = cb.postfix()
     assert float(post["speedup"]) == pytest.approx(2.0, abs=0.01)
-    assert float(post["tau"]) == pytest.approx(summary["tau"], abs=0.01)
+    assert float(post["tau"]) == pytest.approx(summary.overall.tau, abs=0.01)
     cb.on_run_end(summary, tmp_path)
     assert cb.bar is None
 
@@ -280,10 +302,10 @@ def test_wandb_finishes_even_when_logging_fails(tmp_path, monkeypatch, records, 
     fake = _FakeRun()
     monkeypatch.setattr(wandb, "init", lambda **kw: fake)
     cb = WandbLogger()
-    cb.on_run_start({"method": "sps", "output_dir": str(tmp_path)}, 2)
+    cb.on_run_start(RunMeta(method="sps", output_dir=str(tmp_path)), 2)
     cb.on_request_end(records[0])
     with pytest.raises(RuntimeError, match="logging failed"):
-        cb.on_run_end({**summary, "complete": False}, tmp_path)
+        cb.on_run_end(replace(summary, complete=False), tmp_path)
     assert fake.finished == 1  # marked failed, but finished
 
 
@@ -318,19 +340,19 @@ class _CrashingDrafter:
 
 
 def _crashing_pipeline(lm) -> SpeculativePipeline:
-    return SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=_CrashingDrafter())
+    return SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=_CrashingDrafter())
 
 
 class _Recorder(NoopCallback):
     def __init__(self) -> None:
         self.calls: list[str] = []
-        self.summary: dict[str, Any] | None = None
+        self.summary: RunSummary | None = None
 
     def on_run_start(self, meta, num_requests) -> None:
         self.calls.append("start")
 
     def on_request_end(self, record) -> None:
-        self.calls.append(record["request_id"])
+        self.calls.append(record.request_id)
 
     def on_run_end(self, summary, folder) -> None:
         self.calls.append("end")
@@ -346,10 +368,10 @@ def test_crashing_run_finishes_loggers_and_keeps_requests(tmp_path, tiny_target)
     requests = [Request(f"q{i}", "writing", (f"prompt {i}",)) for i in range(3)]
     folder = RunFolder(tmp_path / "run", resume=False)
     with pytest.raises(RuntimeError, match="boom"):
-        runner.run(requests, folder, {"method": "stub", "output_dir": str(folder.path)})
+        runner.run(requests, folder, RunMeta(method="stub", output_dir=str(folder.path)))
     assert recorder.calls == ["start", "q0", "end"]
-    assert recorder.summary["complete"] is False
-    assert [r["request_id"] for r in read_records(folder.path / "requests.jsonl")] == ["q0"]
+    assert recorder.summary.complete is False
+    assert [r.request_id for r in read_records(folder.path / "requests.jsonl")] == ["q0"]
     assert json.loads((folder.path / "summary.json").read_text())["num_requests"] == 1
     events = [json.loads(x)["event"] for x in (folder.path / "metrics.jsonl").open()]
     assert events[-1] == "summary"
@@ -359,16 +381,24 @@ def test_crashing_run_finishes_loggers_and_keeps_requests(tmp_path, tiny_target)
 # --- sweeps -----------------------------------------------------------------------------------
 
 
+def _summary_json(**top: Any) -> dict[str, Any]:
+    """A complete ``summary.json`` (one fake request, no task scores, no categories) with
+    the top-level values ``top``."""
+    data = summarize([fake_record(0, "qa")], RunMeta(method="fly"), complete=True).to_json()
+    return {**data, "by_category": {}, **top}
+
+
 def _fake_job(sweep: Path, name: str, overrides: list[str], speedup: float,
               accuracy: float = 0.5) -> None:
     job = sweep / name
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-    summary = {"method": "fly", "complete": True, "num_requests": 2, "tokens_per_s": 10 * speedup,
-               "baseline_tokens_per_s": 10.0, "speedup": speedup, "tau": 2.0,
-               "task/gsm8k_exact": accuracy, "baseline_task/gsm8k_exact": 0.5,
-               "task_ci95": {"task/gsm8k_exact": [accuracy / 2, (1 + accuracy) / 2]},
-               "by_category": {}}
+    summary = _summary_json(
+        method="fly", complete=True, num_requests=2, tokens_per_s=10 * speedup,
+        baseline_tokens_per_s=10.0, speedup=speedup, tau=2.0,
+        task_ci95={"task/gsm8k_exact": [accuracy / 2, (1 + accuracy) / 2]},
+        **{"task/gsm8k_exact": accuracy, "baseline_task/gsm8k_exact": 0.5},
+    )
     (job / "summary.json").write_text(json.dumps(summary))
 
 
@@ -432,7 +462,7 @@ def test_no_pareto_plot_without_task_scores(tmp_path):
     job = tmp_path / "0_x=1"
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("- x=1\n")
-    (job / "summary.json").write_text(json.dumps({"speedup": 1.3, "by_category": {}}))
+    (job / "summary.json").write_text(json.dumps(_summary_json(speedup=1.3)))
     assert plot_pareto(collect(tmp_path), tmp_path / PARETO_PNG) is None
     assert not (tmp_path / PARETO_PNG).exists()
 
@@ -446,8 +476,7 @@ from hydra.core.hydra_config import HydraConfig
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg):
     out = Path(HydraConfig.get().runtime.output_dir)
-    summary = {"method": "stub", "complete": True, "speedup": float(cfg.x), "tau": 1.5,
-               "by_category": {}}
+    summary = {**json.loads(SUMMARY), "speedup": float(cfg.x)}
     (out / "summary.json").write_text(json.dumps(summary))
     return cfg.x
 
@@ -470,7 +499,8 @@ def test_two_job_multirun_writes_sweep_summary(tmp_path):
             dir: sweep
             subdir: ${hydra.job.num}_${hydra.job.override_dirname}
         """))
-    (tmp_path / "app.py").write_text(APP)
+    stub = json.dumps(_summary_json(method="stub", tau=1.5))
+    (tmp_path / "app.py").write_text(APP.replace("SUMMARY", repr(stub), 1))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"}
     proc = subprocess.run([sys.executable, "app.py", "-m", "x=2,3"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
@@ -501,9 +531,11 @@ def test_launcher_configs_compose():
 def test_compare_prints_runs_side_by_side(tmp_path, records, summary, capsys):
     a, b = tmp_path / "sps", tmp_path / "pld"
     a.mkdir()
-    (a / "summary.json").write_text(json.dumps(summary))
+    (a / "summary.json").write_text(json.dumps(summary.to_json()))
     b.mkdir()  # a run that died before summary.json: recomputed from requests.jsonl
-    (b / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    (b / "requests.jsonl").write_text(
+        "".join(json.dumps(r.to_json()) + "\n" for r in records[:2])
+    )
     rc = compare.main([str(a), str(b), "--plot", str(tmp_path / "cmp.png"),
                        "--csv", str(tmp_path / "cmp.csv")])
     assert rc == 0
@@ -518,14 +550,16 @@ def test_compare_prints_runs_side_by_side(tmp_path, records, summary, capsys):
 
 
 def test_compare_recompute_adds_the_intervals_to_an_old_summary(tmp_path, records, capsys):
-    old = summarize(records[:2], {"method": "fly", "complete": True})
+    old = summarize(records[:2], RunMeta(method="fly"), complete=True).to_json()
     old.pop("task_ci95")  # as written before the intervals existed
     (tmp_path / "summary.json").write_text(json.dumps(old))
-    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
-    assert "task_ci95" not in compare.load_summary(tmp_path)
+    (tmp_path / "requests.jsonl").write_text(
+        "".join(json.dumps(r.to_json()) + "\n" for r in records[:2])
+    )
+    assert "task_ci95" not in compare.load_summary(tmp_path).to_json()
     fresh = compare.load_summary(tmp_path, recompute=True)
-    assert fresh["method"] == "fly"
-    assert fresh["task_ci95"]["task/gsm8k_exact"] == wilson_interval(1, 2)
+    assert fresh.meta.method == "fly"
+    assert fresh.overall.task_ci95["task/gsm8k_exact"] == wilson_interval(1, 2)
     assert compare.main([str(tmp_path), "--recompute"]) == 0
     out = capsys.readouterr().out
     assert "task_lo/gsm8k_exact" in out and "task_paired/gsm8k_exact/both" in out
@@ -548,10 +582,10 @@ def test_a_failing_logger_does_not_stop_the_others(tmp_path, tiny_target):
     runner = Runner(_crashing_pipeline(tiny_target[1]), CharTokenizer(), settings,
                     SamplingParams(0.0, 0, 1.0), [_Broken(), recorder])
     folder = RunFolder(tmp_path / "run", resume=False)
-    summary = runner.run([Request("q0", "writing", ("hi",))], folder, {"method": "stub"})
-    assert summary["complete"] is True
+    summary = runner.run([Request("q0", "writing", ("hi",))], folder, RunMeta(method="stub"))
+    assert summary.complete is True
     assert recorder.calls == ["start", "q0", "end"]
-    assert summary["output_dir"] == str(folder.path.resolve())
+    assert summary.meta.output_dir == str(folder.path.resolve())
 
 
 class _Rounds(NoopCallback):
@@ -566,18 +600,19 @@ class _Rounds(NoopCallback):
 
 def test_round_hooks_reach_callbacks_that_want_them(tmp_path, tiny_target):
     rounds, recorder = _Rounds(), _Recorder()
-    pipe = SpeculativePipeline(FullVerifier(tiny_target[1]), ExactAcceptor())
+    pipe = SpeculativePipeline(FullVerifier(tiny_target[1]), StandardAcceptor())
     settings = RunSettings(max_new_tokens=5, warmup=False, baseline=False)
     runner = Runner(pipe, CharTokenizer(), settings, SamplingParams(), [rounds, recorder])
-    runner.run([Request("q0", "qa", ("hi",))], RunFolder(tmp_path, resume=False), {"method": "a"})
+    runner.run([Request("q0", "qa", ("hi",))], RunFolder(tmp_path, resume=False),
+               RunMeta(method="a"))
     record = RunFolder(tmp_path, resume=True).records[0]
-    assert [e["round"] for _, e in rounds.events] == list(range(1, record["metrics"]["rounds"] + 1))
+    assert [e["round"] for _, e in rounds.events] == list(range(1, record.metrics.rounds + 1))
     assert {rid for rid, _ in rounds.events} == {"q0"} and sum(
         e["committed"] for _, e in rounds.events
-    ) >= record["turns"][0]["new_tokens"]
+    ) >= record.turns[0].new_tokens
 
 
 def test_an_object_that_is_not_a_callback_is_refused(tiny_target):
-    pipe = SpeculativePipeline(FullVerifier(tiny_target[1]), ExactAcceptor())
+    pipe = SpeculativePipeline(FullVerifier(tiny_target[1]), StandardAcceptor())
     with pytest.raises(ConfigError, match="callback object is not a run callback"):
         Runner(pipe, CharTokenizer(), RunSettings(), SamplingParams(), [object()])

@@ -126,3 +126,26 @@ def test_k_below_one_is_refused(tiny_models):
 def test_resolved_config_is_plain_yaml():
     cfg = _compose(["+experiment=sps"])
     assert "qwen2.5-coder-0.5b" in OmegaConf.to_yaml(cfg)
+
+
+def test_sampling_group_is_the_engines_sampling_params():
+    from specflow.sampling import SamplingParams
+
+    cfg = _compose(["sampling.temperature=0.7", "sampling.top_k=5"])
+    assert OmegaConf.to_object(cfg.sampling) == SamplingParams(0.7, 5, 1.0)
+    bad = _compose(["sampling.top_p=0"])  # composes; checked when the run starts
+    with pytest.raises(ConfigError, match=r"sampling.top_p must be in \(0, 1\], got 0.0"):
+        OmegaConf.to_object(bad.sampling)
+    with pytest.raises(Exception, match="temperatur"):
+        _compose(["sampling.temperatur=1"])
+
+
+def test_model_values_come_from_conf_model_only():
+    from specflow.config import ModelConfig
+
+    schema = OmegaConf.structured(ModelConfig)
+    assert OmegaConf.missing_keys(schema) == set(schema)  # types only, no values
+    for option in sorted(p.stem for p in (CONF / "model").glob("*.yaml")):
+        model = _compose([f"model={option}"]).model
+        assert OmegaConf.missing_keys(model) == set(), option
+        assert model.name == option

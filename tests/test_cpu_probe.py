@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from specflow import cpu
+from specflow.acceptance import StandardAcceptor
 from specflow.app import check_models_fit_cpu, model_configs
 from specflow.baselines import machine_description
 from specflow.cpu import AVX2_ONLY_ENV, CpuCapabilities, check_cpu_weights, resolve_dtype
@@ -27,7 +28,7 @@ from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.models.native import NativeLM, packing_available
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
-from stages.exact_acceptor import ExactAcceptor
+from specflow.scheduler import generate
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
 from tests.conftest import hf_greedy
@@ -169,9 +170,9 @@ def _sps_tokens(draft_dtype: torch.dtype, prompts: list[list[int]], max_new: int
     draft_hf = tiny_hf_model("llama", seed=1, num_layers=2).to(draft_dtype)
     draft = NativeLM.from_hf(draft_hf, tiny_model_info(draft_hf, "d"))
     pipe = SpeculativePipeline(
-        FullVerifier(target), ExactAcceptor(), drafter=ModelDrafter(draft, k=4)
+        FullVerifier(target), StandardAcceptor(), drafter=ModelDrafter(draft, k=4)
     )
-    ours = [pipe.generate(p, max_new).tokens for p in prompts]
+    ours = [generate(pipe, p, max_new).tokens for p in prompts]
     return ours, [hf_greedy(target_hf, p, max_new) for p in prompts], draft.packed
 
 
@@ -250,10 +251,11 @@ def test_experiments_fit_an_avx2_cpu_and_bf16_is_refused_before_loading(as_cpu, 
 _CHILD = """
 import json, torch
 from specflow import cpu
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.models.native import NativeLM
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
-from stages.exact_acceptor import ExactAcceptor
+from specflow.scheduler import generate
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
 from tests.conftest import hf_greedy
@@ -265,12 +267,12 @@ out = {"caps": caps.as_dict(), "target_packed": target.packed}
 for dtype in ("auto", "bfloat16"):
     draft_hf = tiny_hf_model("llama", seed=1, num_layers=2).to(cpu.resolve_dtype(dtype))
     draft = NativeLM.from_hf(draft_hf, tiny_model_info(draft_hf, "d"))
-    pipe = SpeculativePipeline(FullVerifier(target), ExactAcceptor(),
+    pipe = SpeculativePipeline(FullVerifier(target), StandardAcceptor(),
                                drafter=ModelDrafter(draft, k=4))
     prompts = [[1, 5, 9, 13, 17], [3, 4, 3, 4, 3, 4, 3]]
     out[dtype] = {
         "dtype": str(draft.dtype), "packed": draft.packed,
-        "equal": [pipe.generate(p, 20).tokens == hf_greedy(target_hf, p, 20) for p in prompts],
+        "equal": [generate(pipe, p, 20).tokens == hf_greedy(target_hf, p, 20) for p in prompts],
     }
 print(json.dumps(out))
 """

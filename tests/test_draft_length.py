@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from specflow.acceptance import StandardAcceptor
 from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
+from specflow.kv.stores import KVStores
+from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
 from stages.draft_length import AdaptiveDraftLength, HeuristicDraftLength, expected_tokens
-from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from tests.conftest import hf_greedy
 from tests.test_engine_greedy import OracleDrafter
@@ -65,19 +67,19 @@ def test_adaptive_pipeline_keeps_greedy_identity(tiny_target, mode):
     drafter = OracleDrafter(truth, len(prompt), lm.info.vocab_size, mode, k=6)
     ticks = iter(range(10**6))  # a deterministic clock: every reading is 1 ms later
     pipe = SpeculativePipeline(
-        FullVerifier(lm), ExactAcceptor(), drafter=drafter, draft_length=AdaptiveDraftLength(),
+        FullVerifier(lm), StandardAcceptor(), drafter=drafter, draft_length=AdaptiveDraftLength(),
         clock=lambda: next(ticks) * 1e-3,
     )
-    gen = pipe.generate(prompt, 60)
+    gen = generate(pipe, prompt, 60)
     assert gen.tokens == truth
-    assert len(gen.stats.chosen_k) == gen.stats.rounds
+    assert len(gen.stats.asked_per_round) == gen.stats.rounds
     if mode == "always":  # every round drafts the most it may: min(k, tokens left - 1) ...
         generated = 0
-        for i, chosen in enumerate(gen.stats.chosen_k):
+        for i, chosen in enumerate(gen.stats.asked_per_round):
             assert chosen == (0 if i == 1 else min(6, len(truth) - generated - 1))
             generated += chosen + 1  # ... but round 2, one plain round that measures t1
     if mode == "never":
-        assert gen.stats.chosen_k.count(0) > gen.stats.rounds // 2
+        assert gen.stats.asked_per_round.count(0) > gen.stats.rounds // 2
 
 
 def test_a_new_request_inherits_the_previous_evidence():
@@ -150,16 +152,16 @@ def test_the_policy_sees_draft_time_without_the_drafters_catch_up(tiny_target):
 
     policy = _RecordingPolicy()
     pipe = SpeculativePipeline(
-        FullVerifier(lm), ExactAcceptor(), drafter=_CatchingUpDrafter(ticks),
+        FullVerifier(lm), StandardAcceptor(), drafter=_CatchingUpDrafter(ticks),
         draft_length=policy, clock=clock,
     )
-    pipe.generate([1, 5, 9], 7)
+    generate(pipe, [1, 5, 9], 7)
     assert policy.draft_s == [2.0] * len(policy.draft_s), policy.draft_s
 
 
 def test_model_drafter_reports_its_catch_up(tiny_target):
     _, lm = tiny_target
-    state = DecodeState(tokens=list(range(1, 40)), prompt_len=39, max_len=64)
+    state = DecodeState(tokens=list(range(1, 40)), prompt_len=39, max_len=64, kv=KVStores())
     (draft,) = draft_with_model([state], lm, lm.info.num_layers, [2])
     assert len(draft.tokens) == 2 and draft.catchup_s > 0.0  # the lazy prefill of 38 tokens
     state.tokens += draft.tokens[:1]

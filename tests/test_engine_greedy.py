@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, PromptTooLongError
 from specflow.models.native import NativeLM
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
+from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
-from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
 from stages.pld_drafter import PLDDrafter
-from stages.rejection_acceptor import RejectionAcceptor
 from tests.conftest import hf_greedy
 
 PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6], [2]]
@@ -64,13 +64,13 @@ class OracleDrafter:
 
 
 def pipeline(lm, drafter=None, acceptor=None):
-    return SpeculativePipeline(FullVerifier(lm), acceptor or ExactAcceptor(), drafter=drafter)
+    return SpeculativePipeline(FullVerifier(lm), acceptor or StandardAcceptor(), drafter=drafter)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_plain_decoding_equals_hf_generate(tiny_target, prompt):
     hf, lm = tiny_target
-    gen = pipeline(lm).generate(prompt, MAX_NEW)
+    gen = generate(pipeline(lm), prompt, MAX_NEW)
     assert gen.tokens == hf_greedy(hf, prompt, MAX_NEW)
     assert gen.stats.rounds == len(gen.tokens)
     assert gen.stats.tau == 1.0
@@ -79,7 +79,7 @@ def test_plain_decoding_equals_hf_generate(tiny_target, prompt):
 def test_plain_decoding_equals_hf_generate_qwen2(tiny_qwen):
     hf, lm = tiny_qwen
     for prompt in PROMPTS:
-        assert pipeline(lm).generate(prompt, MAX_NEW).tokens == hf_greedy(hf, prompt, MAX_NEW)
+        assert generate(pipeline(lm), prompt, MAX_NEW).tokens == hf_greedy(hf, prompt, MAX_NEW)
 
 
 @pytest.mark.parametrize("mode", ["always", "never", "sometimes"])
@@ -88,7 +88,7 @@ def test_stub_drafts_keep_greedy_identity(tiny_target, prompt, mode):
     hf, lm = tiny_target
     truth = hf_greedy(hf, prompt, MAX_NEW)
     drafter = OracleDrafter(truth, len(prompt), lm.info.vocab_size, mode)
-    gen = pipeline(lm, drafter).generate(prompt, MAX_NEW)
+    gen = generate(pipeline(lm, drafter), prompt, MAX_NEW)
     assert gen.tokens == truth
     s = gen.stats
     if mode == "always":
@@ -106,7 +106,7 @@ def test_stub_drafts_keep_greedy_identity(tiny_target, prompt, mode):
 def test_draft_model_sps_equals_hf(tiny_target, tiny_drafter, prompt, k):
     hf, lm = tiny_target
     _, draft_lm = tiny_drafter
-    gen = pipeline(lm, ModelDrafter(draft_lm, k=k)).generate(prompt, MAX_NEW)
+    gen = generate(pipeline(lm, ModelDrafter(draft_lm, k=k)), prompt, MAX_NEW)
     assert gen.tokens == hf_greedy(hf, prompt, MAX_NEW)
     assert gen.stats.tau == pytest.approx(1 + gen.stats.accepted / gen.stats.rounds)
 
@@ -116,7 +116,7 @@ def test_self_drafting_accepts_everything(tiny_target):
     hf, lm = tiny_target
     copy = NativeLM.from_hf(hf, tiny_model_info(hf, "copy"))
     prompt = PROMPTS[0]
-    gen = pipeline(lm, ModelDrafter(copy, k=4)).generate(prompt, MAX_NEW)
+    gen = generate(pipeline(lm, ModelDrafter(copy, k=4)), prompt, MAX_NEW)
     assert gen.tokens == hf_greedy(hf, prompt, MAX_NEW)
     assert gen.stats.accepted == gen.stats.drafted
 
@@ -124,7 +124,7 @@ def test_self_drafting_accepts_everything(tiny_target):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_pld_equals_hf(tiny_target, prompt):
     hf, lm = tiny_target
-    gen = pipeline(lm, PLDDrafter(k=5)).generate(prompt, MAX_NEW)
+    gen = generate(pipeline(lm, PLDDrafter(k=5)), prompt, MAX_NEW)
     assert gen.tokens == hf_greedy(hf, prompt, MAX_NEW)
 
 
@@ -132,10 +132,10 @@ def test_nested_pipeline_pld_then_draft_model_equals_hf(tiny_target, tiny_drafte
     hf, lm = tiny_target
     _, draft_lm = tiny_drafter
     inner = SpeculativePipeline(
-        FullVerifier(draft_lm), ExactAcceptor(), drafter=PLDDrafter(k=3), level="draft", k=5
+        FullVerifier(draft_lm), StandardAcceptor(), drafter=PLDDrafter(k=3), level="draft", k=5
     )
     for prompt in PROMPTS:
-        gen = pipeline(lm, inner).generate(prompt, MAX_NEW)
+        gen = generate(pipeline(lm, inner), prompt, MAX_NEW)
         assert gen.tokens == hf_greedy(hf, prompt, MAX_NEW)
         assert gen.nested_stats["draft"].rounds > 0
 
@@ -143,9 +143,8 @@ def test_nested_pipeline_pld_then_draft_model_equals_hf(tiny_target, tiny_drafte
 def test_rejection_acceptor_is_greedy_at_temperature_zero(tiny_target, tiny_drafter):
     hf, lm = tiny_target
     _, draft_lm = tiny_drafter
-    gen = pipeline(lm, ModelDrafter(draft_lm, k=3), RejectionAcceptor()).generate(
-        PROMPTS[1], MAX_NEW
-    )
+    pipe = pipeline(lm, ModelDrafter(draft_lm, k=3), StandardAcceptor())  # acceptor=rejection
+    gen = generate(pipe, PROMPTS[1], MAX_NEW)
     assert gen.tokens == hf_greedy(hf, PROMPTS[1], MAX_NEW)
 
 
@@ -153,9 +152,9 @@ def test_eos_stops_generation():
     hf = tiny_hf_model("llama", seed=0, num_layers=2)
     lm = NativeLM.from_hf(hf, tiny_model_info(hf, "t"))
     prompt = PROMPTS[0]
-    free = pipeline(lm).generate(prompt, MAX_NEW, stop_token_ids=())
+    free = generate(pipeline(lm), prompt, MAX_NEW, stop_token_ids=())
     stop = free.tokens[5]
-    gen = pipeline(lm, PLDDrafter(k=4)).generate(prompt, MAX_NEW, stop_token_ids=(stop,))
+    gen = generate(pipeline(lm, PLDDrafter(k=4)), prompt, MAX_NEW, stop_token_ids=(stop,))
     assert gen.tokens == free.tokens[: free.tokens.index(stop) + 1]
     assert gen.stop_reason == "eos"
 
@@ -172,20 +171,20 @@ def test_clear_errors(tiny_target, tiny_qwen):
     with pytest.raises(ConfigError, match="exit_layer=9 is outside 1..4"):
         ModelDrafter(lm, exit_layer=9)
     with pytest.raises(PromptTooLongError, match="exceeds the context of 512"):
-        pipeline(lm).generate([1] * 500, 20)
+        generate(pipeline(lm), [1] * 500, 20)
     with pytest.raises(ConfigError, match="greedy-only"):
-        from specflow.state import SamplingParams
+        from specflow.sampling import SamplingParams
 
-        pipeline(lm).generate([1, 2], 4, SamplingParams(temperature=1.0))
+        greedy_only = pipeline(lm, acceptor=StandardAcceptor(greedy_only=True))  # acceptor=exact
+        generate(greedy_only, [1, 2], 4, SamplingParams(temperature=1.0))
 
 
 def test_round_hook_sees_every_round(tiny_target, tiny_drafter):
     _, lm = tiny_target
     _, draft_lm = tiny_drafter
     events = []
-    gen = pipeline(lm, ModelDrafter(draft_lm, k=3)).generate(
-        PROMPTS[0], MAX_NEW, on_round=events.append
-    )
+    pipe = pipeline(lm, ModelDrafter(draft_lm, k=3))
+    gen = generate(pipe, PROMPTS[0], MAX_NEW, on_round=events.append)
     assert [e["round"] for e in events] == list(range(1, gen.stats.rounds + 1))
     assert [e["accepted"] for e in events] == gen.stats.accepted_per_round
     assert sum(e["committed"] for e in events) >= len(gen.tokens)

@@ -7,15 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, ModelNotFoundError
+from specflow.kv.contiguous import KVCache
 from specflow.models.feature_head import (
     FeatureDraftModel,
     FeatureHead,
     load_feature_head,
     read_feature_head_metadata,
 )
-from stages.exact_acceptor import ExactAcceptor
+from specflow.scheduler import generate
 from stages.feature_drafter import FeatureDrafter
 from stages.full_verifier import FullVerifier
 from tests.conftest import hf_greedy, make_pair, train_tiny_feature_head
@@ -44,7 +46,7 @@ def test_inference_step_computes_the_training_forward(qwen, trained):
     emb = F.embedding(tok[1 : t + 1], lm.embed_weight.detach()).float()
     want = head(feats[None, :t], emb[None], torch.ones(1, t, dtype=torch.bool))[0][0]
     dm = FeatureDraftModel(head, lm)
-    kv = dm.new_cache(t + 4)
+    kv = KVCache(dm.kv, t + 4)
     a = dm.step(feats[:5], tok[1:6], [(kv, 5)])
     b = dm.step(feats[5:t], tok[6 : t + 1], [(kv, t - 5)])
     torch.testing.assert_close(torch.cat([a, b]), want, rtol=1e-4, atol=1e-4)
@@ -62,7 +64,7 @@ def test_second_step_of_training_is_the_drafting_chain(qwen, trained):
     emb = F.embedding(tok[1 : t + 1], lm.embed_weight.detach()).float()
     steps = head(feats[None, :t], emb[None], torch.ones(1, t, dtype=torch.bool), depth=2)
     dm = FeatureDraftModel(head, lm)
-    kv = dm.new_cache(t + 4)
+    kv = KVCache(dm.kv, t + 4)
     first = dm.step(feats[:p], tok[1 : p + 1], [(kv, p)])[-1:]  # f^_p from row p-1
     second = dm.step(first, tok[p + 1 : p + 2], [(kv, 1)])  # row p, predicted input
     torch.testing.assert_close(first[0], steps[0][0, p - 1], rtol=1e-4, atol=1e-4)
@@ -101,15 +103,15 @@ def test_drafter_accepts_and_matches_hf_greedy(qwen, trained):
     and the output is HF greedy on those and on others."""
     hf, lm = qwen
     path, _, _ = trained
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(),
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
                                drafter=FeatureDrafter(lm, head=str(path), k=4))
     _, _, data = trained
     prompts = [data.seq(i)[0][: data.seq(i)[2]].tolist() for i in (0, 1)]  # trained on
     for p in prompts + [[3, 9, 4, 1, 7]]:
-        gen = pipe.generate(p, 20)
+        gen = generate(pipe, p, 20)
         assert gen.tokens == hf_greedy(hf, p, 20)
     for p in prompts:
-        assert pipe.generate(p, 20).stats.tau > 1.5
+        assert generate(pipe, p, 20).stats.tau > 1.5
 
 
 def test_drafter_sitting_out_rounds_reads_the_features_later(qwen, trained):
@@ -130,12 +132,12 @@ def test_drafter_sitting_out_rounds_reads_the_features_later(qwen, trained):
         def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0):
             pass
 
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(),
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
                                drafter=FeatureDrafter(lm, head=str(path), k=3),
                                draft_length=EveryOther())
     _, _, data = trained
     p = data.seq(0)[0][: data.seq(0)[2]].tolist()
-    gen = pipe.generate(p, 20)
+    gen = generate(pipe, p, 20)
     assert gen.tokens == hf_greedy(hf, p, 20)
     assert 0 in gen.stats.drafted_per_round and gen.stats.accepted > 0
 
@@ -144,7 +146,7 @@ def test_session_keeps_unread_final_features_only_when_asked(qwen):
     """Without ``retain_final_from`` the next round's ``set_tokens`` drops h_N before the
     new last token (a clear error names the fix); with it, the rows stay and equal a fresh
     forward's."""
-    from specflow.models.session import ModelSession
+    from specflow.kv.session import ModelSession
 
     _, lm = qwen
     n = lm.info.num_layers

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.state import DecodeState, Draft, SamplingParams
-from stages.exact_acceptor import ExactAcceptor
+from specflow.sampling import SamplingParams
+from specflow.scheduler import generate
+from specflow.state import DecodeState, Draft
 from stages.fly_acceptor import (
     FlyAcceptor,
     fly_scan,
@@ -115,13 +117,13 @@ def test_window_not_shorter_than_k_is_refused(tiny_target, tiny_drafter):
 def test_theta_one_equals_exact_acceptance(tiny_target, tiny_drafter):
     _, lm = tiny_target
     _, d = tiny_drafter
-    exact = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=ModelDrafter(d, k=5))
+    exact = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=ModelDrafter(d, k=5))
     fly = SpeculativePipeline(
         FullVerifier(lm), FlyAcceptor(theta=1.0, window=2), drafter=ModelDrafter(d, k=5)
     )
     for prompt in ([1, 5, 9, 17], [3, 4, 5, 6, 7]):
-        a = exact.generate(prompt, 40)
-        b = fly.generate(prompt, 40)
+        a = generate(exact, prompt, 40)
+        b = generate(fly, prompt, 40)
         assert a.tokens == b.tokens
         assert a.stats.accepted_per_round == b.stats.accepted_per_round
 
@@ -129,12 +131,12 @@ def test_theta_one_equals_exact_acceptance(tiny_target, tiny_drafter):
 def test_low_theta_accepts_more_than_exact(tiny_target, tiny_drafter):
     _, lm = tiny_target
     _, d = tiny_drafter
-    exact = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=ModelDrafter(d, k=6))
+    exact = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=ModelDrafter(d, k=6))
     fly = SpeculativePipeline(
         FullVerifier(lm), FlyAcceptor(theta=0.0, window=1), drafter=ModelDrafter(d, k=6)
     )
     prompt = [1, 5, 9, 17]
-    assert fly.generate(prompt, 60).stats.tau > exact.generate(prompt, 60).stats.tau
+    assert generate(fly, prompt, 60).stats.tau > generate(exact, prompt, 60).stats.tau
 
 
 # ---------------------------------------------------------------- zero-probability guard

@@ -1,8 +1,15 @@
-"""Layering: the core (``specflow/``) never imports ``callbacks``, ``stages`` or ``train_heads``.
+"""Layering: what the core's modules may import.
 
-The core meets those packages only through config (``_target_`` strings) and protocols
-(the README's "How it works").  Every ``.py`` under ``specflow/`` is parsed with ``ast`` (not
-imported), so a forbidden import anywhere, even inside a function, fails here.
+- The core (``specflow/``) never imports ``callbacks``, ``stages`` or ``train_heads``: it meets
+  them only through config (``_target_`` strings) and protocols (the README's "How it
+  works").
+- No import circle inside ``specflow/``: every import counts, type-only and lazy (in a
+  function) ones included.
+- ``specflow/models/`` imports nothing of ``specflow/kv/`` but ``kv/base`` (the protocols the
+  models implement), and ``specflow/kv/`` never imports ``specflow/models/``.
+
+Every ``.py`` under ``specflow/`` is parsed with ``ast`` (not imported), so a forbidden import
+anywhere, even inside a function or an ``if TYPE_CHECKING:`` block, fails here.
 """
 
 from __future__ import annotations
@@ -43,6 +50,131 @@ def forbidden_imports(source: str, filename: str = "<string>") -> list[str]:
 
 def core_files() -> list[Path]:
     return sorted(p for p in CORE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """``specflow/kv/base.py`` -> ``specflow.kv.base`` (a package: its ``__init__``)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``source`` (module ``module``) imports, anywhere in it.
+
+    ``from a.b import c`` counts as an import of ``a.b.c`` when that is a module, else of
+    ``a.b``; relative imports are resolved against ``module``'s package; an import of a
+    name below a known module (``a.b.C``) counts as ``a.b``.
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                     for a in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """``module -> the specflow modules it imports`` for every module under ``specflow/``."""
+    files = {module_name(p, root): p for p in (root / "specflow").rglob("*.py")
+             if "__pycache__" not in p.parts}
+    known = set(files)
+    return {
+        mod: imported_modules(path.read_text(), mod, path.name == "__init__.py", known)
+        for mod, path in files.items()
+    }
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), sorted: each is
+    a set of modules that import each other, directly or around a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
+def test_no_import_circle_in_the_core():
+    circles = import_circles(import_graph())
+    assert circles == [], f"modules of specflow/ that import each other: {circles}"
+
+
+def test_models_meet_kv_only_through_its_base():
+    graph = import_graph()
+    bad = sorted(
+        f"{mod} -> {dep}"
+        for mod, deps in graph.items()
+        for dep in deps
+        if (mod.startswith("specflow.models.") and dep.startswith("specflow.kv")
+            and dep != "specflow.kv.base")
+        or (mod.startswith("specflow.kv") and dep.startswith("specflow.models"))
+    )
+    assert bad == [], bad
+
+
+def test_circle_finder_finds_the_circles_it_should(tmp_path: Path):
+    """A type-only circle, a lazy one and a three-module one are found; a chain is not."""
+    pkg = tmp_path / "specflow"
+    (pkg / "kv").mkdir(parents=True)
+    sources = {
+        "a.py": "import typing\nif typing.TYPE_CHECKING:\n    from specflow.b import B\n",
+        "b.py": "import specflow.a\n",
+        "c.py": "def f():\n    from specflow import d\n",
+        "d.py": "from specflow.c import f\n",
+        "kv/__init__.py": "",
+        "kv/x.py": "from .y import Y\n",
+        "kv/y.py": "from specflow.kv import z\n",
+        "kv/z.py": "from ..kv.x import X\n",
+        "e.py": "from specflow.a import A\n",
+    }
+    for name, text in sources.items():
+        (pkg / name).write_text(text)
+    circles = import_circles(import_graph(tmp_path))
+    assert circles == [
+        ["specflow.a", "specflow.b"],
+        ["specflow.c", "specflow.d"],
+        ["specflow.kv.x", "specflow.kv.y", "specflow.kv.z"],
+    ]
 
 
 def test_core_files_found():

@@ -9,12 +9,13 @@ import random
 import pytest
 import torch
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
+from specflow.measure import generation_metrics
 from specflow.oracle import load_runs, oracle_report
-from specflow.records import generation_metrics
+from specflow.scheduler import generate
 from specflow.state import Acceptance, DecodeState, Draft
-from stages.exact_acceptor import ExactAcceptor
 from stages.fixed_selector import FixedSelector
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
@@ -202,7 +203,7 @@ def deep_target():
 
 def make_arms(target_lm, draft_lm) -> dict:
     nested = SpeculativePipeline(
-        FullVerifier(draft_lm), ExactAcceptor(), drafter=PLDDrafter(k=3), level="draft", k=5
+        FullVerifier(draft_lm), StandardAcceptor(), drafter=PLDDrafter(k=3), level="draft", k=5
     )
     return {
         "pld": PLDDrafter(k=5),
@@ -214,7 +215,7 @@ def make_arms(target_lm, draft_lm) -> dict:
 
 
 def pool_pipeline(target_lm, drafter) -> SpeculativePipeline:
-    return SpeculativePipeline(FullVerifier(target_lm), ExactAcceptor(), drafter=drafter)
+    return SpeculativePipeline(FullVerifier(target_lm), StandardAcceptor(), drafter=drafter)
 
 
 SELECTORS = {
@@ -233,10 +234,10 @@ def test_pool_is_lossless_whatever_the_arm(deep_target, tiny_drafter, selector):
     pool = PoolDrafter(make_arms(lm, draft_lm), make_selector(), reward=reward)
     pipe = pool_pipeline(lm, pool)
     for prompt in PROMPTS:
-        gen = pipe.generate(prompt, MAX_NEW)
+        gen = generate(pipe, prompt, MAX_NEW)
         assert gen.tokens == hf_greedy(hf, prompt, MAX_NEW)
         s = gen.stats
-        pool_rounds = sum(1 for k in s.chosen_k if k > 0)
+        pool_rounds = sum(1 for k in s.asked_per_round if k > 0)
         assert len(s.arms) == len(s.rewards) == pool_rounds > 0
         assert all(0.0 <= r <= 1.0 for r in s.rewards)
         if selector == "round_robin":
@@ -246,14 +247,14 @@ def test_pool_is_lossless_whatever_the_arm(deep_target, tiny_drafter, selector):
 
 def test_pool_when_sampling(deep_target, tiny_drafter):
     """Sampling: BD uses the drafters' q (one-hot for PLD) and the target's warped p."""
-    from specflow.state import SamplingParams
-    from stages.rejection_acceptor import RejectionAcceptor
+    from specflow.acceptance import StandardAcceptor
+    from specflow.sampling import SamplingParams
 
     _, lm = deep_target
     _, draft_lm = tiny_drafter
     pool = PoolDrafter(make_arms(lm, draft_lm), RoundRobinSelector())
-    pipe = SpeculativePipeline(FullVerifier(lm), RejectionAcceptor(), drafter=pool)
-    gen = pipe.generate(PROMPTS[1], 16, SamplingParams(temperature=0.8), seed=3)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=pool)
+    gen = generate(pipe, PROMPTS[1], 16, SamplingParams(temperature=0.8), seed=3)
     assert len(gen.tokens) == 16 or gen.stop_reason == "eos"
     assert gen.stats.rewards and all(0.0 <= r <= 1.0 for r in gen.stats.rewards)
 
@@ -266,7 +267,7 @@ def test_fixed_arm_equals_that_drafter_alone(deep_target, tiny_drafter, arm):
     alone = pool_pipeline(lm, list(arms.values())[arm])
     pooled = pool_pipeline(lm, PoolDrafter(arms, FixedSelector(arm)))
     for prompt in PROMPTS:
-        a, b = alone.generate(prompt, MAX_NEW), pooled.generate(prompt, MAX_NEW)
+        a, b = generate(alone, prompt, MAX_NEW), generate(pooled, prompt, MAX_NEW)
         assert b.tokens == a.tokens
         assert b.stats.accepted_per_round == a.stats.accepted_per_round
         assert b.stats.drafted_per_round == a.stats.drafted_per_round
@@ -277,13 +278,14 @@ def test_pool_metrics_for_the_runner(deep_target, tiny_drafter):
     _, lm = deep_target
     _, draft_lm = tiny_drafter
     pipe = pool_pipeline(lm, PoolDrafter(make_arms(lm, draft_lm), RoundRobinSelector()))
-    gens = [pipe.generate(p, MAX_NEW) for p in PROMPTS]
-    m = generation_metrics(gens)
+    gens = [generate(pipe, p, MAX_NEW) for p in PROMPTS]
+    m = generation_metrics(gens).to_json()  # as the record's metrics are written
     assert m["arms"] == gens[0].stats.arms + gens[1].stats.arms
     assert len(m["arm_rewards"]) == len(m["arms"])
     assert sum(m["arm_counts"]) == len(m["arms"]) and len(m["arm_counts"]) == 5
     assert m["catchup_tokens"] > 0 and m["catchup_s"] >= 0
-    assert "arms" not in generation_metrics([pool_pipeline(lm, None).generate([1, 2], 4)])
+    plain = generation_metrics([generate(pool_pipeline(lm, None), [1, 2], 4)])
+    assert plain.pool is None and "arms" not in plain.to_json()
 
 
 # ---------------------------------------------------------------- oracle

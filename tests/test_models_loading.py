@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from specflow.cache_root import cache_root
 from specflow.errors import ConfigError, ModelNotFoundError
+from specflow.kv.base import ModelInfo
+from specflow.kv.contiguous import layer_caches
 from specflow.models import loading, prepare, registry
-from specflow.models.base import ModelInfo
 from specflow.models.loading import check_same_tokenizer, load_model
 from specflow.models.registry import REGISTRY, pip_install_command
 
@@ -22,6 +24,34 @@ def _fresh_model_cache():
     loading.clear_model_cache()
     yield
     loading.clear_model_cache()
+
+
+# What these tests load with: load_model has no defaults for a model's settings (a run takes
+# them from conf/model/*.yaml), so the tests say theirs.
+SETTINGS = dict(dtype="float32", backend="auto", trust_remote_code=False, packed_weights=None)
+
+
+def _load(value: str, **settings):
+    """``load_model(value)`` with ``SETTINGS``, ``settings`` replacing some of them."""
+    return load_model(value, **{**SETTINGS, **settings})
+
+
+def test_load_model_settings_are_required():
+    with pytest.raises(TypeError, match="dtype.*backend.*trust_remote_code.*packed_weights"):
+        load_model("smollm2-135m")
+    for key in SETTINGS:
+        with pytest.raises(TypeError, match=key):
+            load_model("smollm2-135m", **{k: v for k, v in SETTINGS.items() if k != key})
+
+
+def test_incomplete_model_config_names_what_is_missing():
+    from specflow.models.resolve import as_layered_lm
+
+    with pytest.raises(ConfigError, match=r"'smollm2-135m' is given without backend, "
+                       r"trust_remote_code, packed_weights: .*conf/model"):
+        as_layered_lm({"name": "smollm2-135m", "dtype": "float32"})
+    with pytest.raises(ConfigError, match=r"'smollm2-135m' is given without dtype"):
+        as_layered_lm("smollm2-135m")
 
 
 # ----------------------------------------------------------------------------- registry
@@ -83,7 +113,7 @@ def test_missing_package_error_names_install_command(monkeypatch, tmp_path):
     monkeypatch.setitem(REGISTRY, entry.name, entry)
     assert not entry.is_installed()
     for call in (lambda: prepare.prepare_model("bogus-model", tmp_path),
-                 lambda: load_model("bogus-model", cache_dir=tmp_path)):
+                 lambda: _load("bogus-model", cache_dir=tmp_path)):
         with pytest.raises(ModelNotFoundError) as err:
             call()
         msg = str(err.value)
@@ -141,10 +171,10 @@ def test_prepared_folder_is_reused_without_reading_parts(monkeypatch, tmp_path):
 
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECFLOW_CACHE", str(tmp_path))
-    assert prepare.default_cache_dir() == tmp_path
+    assert cache_root() == tmp_path
     assert prepare.prepared_dir("x") == tmp_path / "models" / "x"
     monkeypatch.delenv("SPECFLOW_CACHE")
-    assert prepare.default_cache_dir() == Path.home() / ".cache" / "specflow"
+    assert cache_root() == Path.home() / ".cache" / "specflow"
 
 
 # ----------------------------------------------------------------------------- loading
@@ -178,7 +208,7 @@ WORDS = "def return print if else for in while import class".split()
 
 def test_local_folder_loads(tmp_path):
     folder = _tiny_folder(tmp_path / "tiny", WORDS)
-    loaded = load_model(str(folder), backend="hf")
+    loaded = _load(str(folder), backend="hf")
     info = loaded.info
     assert (info.num_layers, info.vocab_size, info.hidden_size, info.max_positions) == (
         3, len(WORDS) + 3, 32, 128
@@ -186,13 +216,13 @@ def test_local_folder_loads(tmp_path):
     assert info.eos_token_ids == (2,)
     assert len(info.tokenizer_fingerprint) == 64 and len(info.weights_fingerprint) == 16
     assert loaded.hf_model.dtype == torch.float32
-    assert load_model(str(folder), backend="hf") is loaded  # shared instance
-    bf16 = load_model(str(folder), backend="hf", dtype="bfloat16")
+    assert _load(str(folder), backend="hf") is loaded  # shared instance
+    bf16 = _load(str(folder), backend="hf", dtype="bfloat16")
     assert bf16 is not loaded and bf16.hf_model.dtype == torch.bfloat16
     # the fingerprints do not depend on the dtype the weights were loaded in
     assert bf16.info.weights_fingerprint == info.weights_fingerprint
     assert bf16.info.tokenizer_fingerprint == info.tokenizer_fingerprint
-    other = load_model(str(_tiny_folder(tmp_path / "tiny2", WORDS, seed=1)), backend="hf")
+    other = _load(str(_tiny_folder(tmp_path / "tiny2", WORDS, seed=1)), backend="hf")
     assert other.info.weights_fingerprint != info.weights_fingerprint
     check_same_tokenizer(info, other.info)
 
@@ -200,14 +230,14 @@ def test_local_folder_loads(tmp_path):
 def test_local_folder_native_backend(tmp_path):
     pytest.importorskip("specflow.models.native")
     folder = _tiny_folder(tmp_path / "tiny", WORDS)
-    loaded = load_model(str(folder))  # auto
+    loaded = _load(str(folder))  # auto
     from specflow.models.native import NativeLM
 
     assert isinstance(loaded.lm, NativeLM)
-    assert load_model(str(folder), backend="native").lm is not loaded.lm
+    assert _load(str(folder), backend="native").lm is not loaded.lm
     ids = torch.tensor(loaded.tokenizer("def print if")["input_ids"])
     lm = loaded.lm
-    caches = lm.new_layer_caches(16)
+    caches = layer_caches(lm, 16)
     h = lm.embed(ids)
     for layer in range(lm.info.num_layers):
         h = lm.run_layer(layer, h, [(caches[layer], h.shape[0])], {})
@@ -222,16 +252,16 @@ def test_native_forced_on_unsupported_model_explains(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "supports", lambda cfg: (False, "because of a test"))
     folder = _tiny_folder(tmp_path / "tiny", WORDS)
     with pytest.raises(ConfigError, match="because of a test"):
-        load_model(str(folder), backend="native")
+        _load(str(folder), backend="native")
     pytest.importorskip("specflow.models.hf_backend")
     from specflow.models.hf_backend import HFBackendLM
 
-    assert isinstance(load_model(str(folder)).lm, HFBackendLM)  # auto falls back
+    assert isinstance(_load(str(folder)).lm, HFBackendLM)  # auto falls back
 
 
 def test_different_tokenizers_are_refused(tmp_path):
-    a = load_model(str(_tiny_folder(tmp_path / "a", WORDS)), backend="hf").info
-    b = load_model(str(_tiny_folder(tmp_path / "b", WORDS[::-1])), backend="hf").info
+    a = _load(str(_tiny_folder(tmp_path / "a", WORDS)), backend="hf").info
+    b = _load(str(_tiny_folder(tmp_path / "b", WORDS[::-1])), backend="hf").info
     assert a.tokenizer_fingerprint != b.tokenizer_fingerprint
     with pytest.raises(ConfigError) as err:
         check_same_tokenizer(a, b)
@@ -248,17 +278,17 @@ def test_unknown_values_raise_model_not_found(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for value in (str(tmp_path / "nope"), "no-such-org/no-such-model"):
         with pytest.raises(ModelNotFoundError) as err:
-            load_model(value)
+            _load(value)
         msg = str(err.value)
         assert value in msg and "qwen2.5-coder-1.5b" in msg and "local folder" in msg
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ModelNotFoundError, match="neither config.json nor a .gguf"):
-        load_model(str(empty))
+        _load(str(empty))
     with pytest.raises(ConfigError, match="float64"):
-        load_model(str(empty), dtype="float64")
+        _load(str(empty), dtype="float64")
     with pytest.raises(ConfigError, match="'fast'"):
-        load_model(str(empty), backend="fast")
+        _load(str(empty), backend="fast")
 
 
 # ----------------------------------------------------------------------------- real model
@@ -274,7 +304,7 @@ def test_prepare_smollm2_matches_gguf_generate():
     folder = prepare.prepare_model("smollm2-135m", progress=False)
     assert prepare.is_prepared("smollm2-135m")
     assert (folder / "model.safetensors").is_file()
-    loaded = load_model("smollm2-135m")
+    loaded = _load("smollm2-135m")
     assert loaded.info.num_layers == entry.num_layers == 30
     assert loaded.info.vocab_size == entry.vocab_size
     assert loaded.info.eos_token_ids
@@ -292,7 +322,7 @@ def test_prepare_smollm2_matches_gguf_generate():
 
     # the layered interface continues the prompt the same way
     lm = loaded.lm
-    caches = lm.new_layer_caches(ids.shape[1] + 8)
+    caches = layer_caches(lm, ids.shape[1] + 8)
     step, greedy = ids[0], []
     for _ in range(8):
         h = lm.embed(step)

@@ -9,10 +9,11 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from specflow.cpu import probe_cpu
 from specflow.errors import ConfigError
-from specflow.models.attention import KVCache
+from specflow.kv.base import KVSpec
+from specflow.kv.contiguous import KVCache, layer_caches
+from specflow.kv.session import ModelSession
 from specflow.models.hf_backend import HFBackendLM
 from specflow.models.native import NativeLM, supports
-from specflow.models.session import ModelSession
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 
 ATOL = 1e-4
@@ -83,7 +84,7 @@ def test_full_forward_matches_hf(arch, overrides):
     tokens = random_tokens(24, seed=2)
     expected = hf_logits(hf, tokens)
     lm = NativeLM.from_hf(hf, tiny_model_info(hf, arch))
-    caches = lm.new_layer_caches(32)
+    caches = layer_caches(lm, 32)
     h = lm.embed(torch.tensor(tokens))  # [T, H]
     for layer in range(N_LAYERS):
         h = lm.run_layer(layer, h, [(caches[layer], h.shape[0])], {})
@@ -208,7 +209,7 @@ def test_rollback_leaves_cache_as_if_never_drafted(arch):
 
 
 def test_kv_cache_truncate_only_lowers_length():
-    c = KVCache(2, 8, 4, torch.float32, "cpu")
+    c = KVCache(KVSpec(1, 2, 4), 8)
     c.length = 5
     c.truncate(7)
     assert c.length == 5
@@ -274,7 +275,7 @@ def test_bf16_model_keeps_dtype_and_matches_hf_loosely():
 def test_hf_backend_through_session_matches_hf(arch):
     hf = tiny_hf_model(arch, num_layers=N_LAYERS)
     lm = HFBackendLM(hf, tiny_model_info(hf, arch))
-    assert lm.info.num_layers == 1 and lm.info.extra["real_num_layers"] == N_LAYERS
+    assert lm.info.num_layers == 1 and lm.info.decoder_layers == N_LAYERS
     seq = random_tokens(18, seed=8)
     final = seq[:12] + [(t + 3) % 128 for t in seq[12:16]]
     ref_seq, ref_final = hf_logits(hf, seq), hf_logits(hf, final)

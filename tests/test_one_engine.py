@@ -12,13 +12,14 @@ import importlib
 import pytest
 from scipy.stats import chisquare
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
-from specflow.models.stores import KVLayout
-from specflow.scheduler import Scheduler, SeqRequest
-from specflow.state import DecodeState, Draft, SamplingParams
+from specflow.kv.stores import KVLayout
+from specflow.sampling import SamplingParams
+from specflow.scheduler import Scheduler, SeqRequest, generate
+from specflow.state import DecodeState, Draft
 from stages.draft_length import AdaptiveDraftLength
 from stages.early_exit_verifier import EarlyExitVerifier
-from stages.exact_acceptor import ExactAcceptor
 from stages.fallback_drafter import FallbackDrafter
 from stages.feature_drafter import FeatureDrafter
 from stages.fixed_selector import FixedSelector
@@ -28,7 +29,6 @@ from stages.layer_skip_drafter import LayerSkipDrafter
 from stages.model_drafter import ModelDrafter
 from stages.pld_drafter import PLDDrafter
 from stages.pool_drafter import PoolDrafter
-from stages.rejection_acceptor import RejectionAcceptor
 from stages.round_robin_selector import RoundRobinSelector
 from stages.single_selector import SingleSelector
 from stages.ucb_selector import DiscountedUCBSelector, UCBSelector
@@ -75,12 +75,12 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
 
     def pipe(drafter=None, acceptor=None, **kw) -> SpeculativePipeline:
         return SpeculativePipeline(
-            FullVerifier(lm), acceptor or ExactAcceptor(), drafter=drafter, name=method, **kw
+            FullVerifier(lm), acceptor or StandardAcceptor(), drafter=drafter, name=method, **kw
         )
 
     def pld_model() -> SpeculativePipeline:
         return SpeculativePipeline(
-            FullVerifier(draft_lm), ExactAcceptor(), drafter=PLDDrafter(k=3), level="draft", k=4
+            FullVerifier(draft_lm), StandardAcceptor(), drafter=PLDDrafter(k=3), level="draft", k=4
         )
 
     if method == "ar":
@@ -180,14 +180,15 @@ def test_ragged_acceptance_within_a_batch(target, drafter):
 def test_min_confidence_stops_drafts_at_every_batch_size(target, drafter):
     hf, lm = target
     pipe = SpeculativePipeline(
-        FullVerifier(lm), ExactAcceptor(), drafter=ModelDrafter(drafter[1], k=6, min_confidence=0.9)
+        FullVerifier(lm), StandardAcceptor(),
+        drafter=ModelDrafter(drafter[1], k=6, min_confidence=0.9),
     )
     want = [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
     for batch_size, kind in [(1, "contiguous"), (3, "paged")]:
         gens, _ = decode(pipe, batch_size, kind, PROMPTS, MAX_NEW)
         assert [g.tokens for g in gens] == want
         drafted = [d for g in gens for d in g.stats.drafted_per_round]
-        asked = [k for g in gens for k in g.stats.chosen_k]
+        asked = [k for g in gens for k in g.stats.asked_per_round]
         assert sum(drafted) < sum(asked)  # some drafts stopped early
 
 
@@ -203,7 +204,7 @@ def test_sampling_follows_the_target_law_at_batch_three(which, target, drafter, 
     sampling = SamplingParams(temperature=1.0, top_k=3)
     draft = (ModelDrafter(drafter[1], k=2) if which == "model"
              else FeatureDrafter(lm, head=feature_head, k=2))
-    pipe = SpeculativePipeline(FullVerifier(lm), RejectionAcceptor(), drafter=draft)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
     prompt = [1, 5, 9]
     law = two_token_law(lm, prompt, sampling)
     trials = 900
@@ -218,7 +219,7 @@ def test_sampling_follows_the_target_law_at_batch_three(which, target, drafter, 
     expected = [law[c] / total * trials for c in cells]
     pvalue = chisquare([counts[c] for c in cells], expected).pvalue
     assert pvalue > 1e-3, (pvalue, counts)
-    one = pipe.generate(prompt, 2, sampling, seed=7, stop_token_ids=()).tokens
+    one = generate(pipe, prompt, 2, sampling, seed=7, stop_token_ids=()).tokens
     assert next(r for r in results if r.request.seed == 7).generation.tokens == one
 
 
@@ -271,7 +272,7 @@ def test_adaptive_policy_per_sequence_at_batch_three(target):
 
     pipe = SpeculativePipeline(
         FullVerifier(lm),
-        ExactAcceptor(),
+        StandardAcceptor(),
         drafter=WrongDrafter(truth, lm.info.vocab_size, ticks),
         draft_length=AdaptiveDraftLength(prior_strength=0.0),
         clock=clock,
@@ -280,7 +281,7 @@ def test_adaptive_policy_per_sequence_at_batch_three(target):
     assert [g.tokens for g in gens] == [truth[tuple(p)] for p in prompts]
     assert sched.stats.occupancy[0] == 3
     for g in gens:
-        ks = g.stats.chosen_k
+        ks = g.stats.asked_per_round
         assert len(ks) == g.stats.rounds == len(g.stats.drafted_per_round)
         assert ks[0] == 4 and g.stats.accepted == 0
         tail = ks[len(ks) // 2 :]
@@ -302,4 +303,4 @@ def test_batch_one_and_three_give_the_same_rounds(target, drafter):
 def test_no_mirrored_engine_left(module):
     """One round function and one decoder layer: the batched copies are gone."""
     with pytest.raises(ModuleNotFoundError):
-        importlib.import_module(f"specflow.paged.{module}")
+        importlib.import_module(f"specflow.kv.{module}")

@@ -53,7 +53,7 @@ def test_package_discovery_finds_every_package(project: dict) -> None:
     expected = {
         "specflow",
         "specflow.models",  # no __init__.py: needs namespaces = true
-        "specflow.paged",
+        "specflow.kv",
         "specflow.tasks",
         "specflow.data",
         "stages",

@@ -12,19 +12,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.models.session import ModelSession, forward_logits
-from specflow.models.stores import KVLayout
-from specflow.paged.attention import AttnBatch, sdpa_paged, select_backend
-from specflow.paged.cache import BlockAllocator, CacheFullError, PagedKVCache
+from specflow.kv.base import KVSpec
+from specflow.kv.kernels import AttnBatch, sdpa_paged, select_backend
+from specflow.kv.paged import BlockAllocator, CacheFullError, PagedKVCache, paged_pool
+from specflow.kv.session import ModelSession, forward_logits
+from specflow.kv.stores import KVLayout
+from specflow.records import RunMeta
 from specflow.results import RunFolder
 from specflow.runner import Runner
-from specflow.scheduler import Scheduler, SeqRequest
+from specflow.sampling import SamplingParams
+from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.settings import RunSettings
-from specflow.state import SamplingParams
 from specflow.workload import Request
-from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.pld_drafter import PLDDrafter
 from tests.conftest import CharTokenizer, hf_greedy
@@ -44,7 +46,7 @@ def _prompts(n: int, seed: int = 0, vocab: int = 127) -> list[list[int]]:
 
 def test_allocator_many_requests_no_leaks():
     rng = random.Random(0)
-    cache = PagedKVCache(2, 1, 4, num_blocks=40, block_size=4)
+    cache = PagedKVCache(KVSpec(2, 1, 4), num_blocks=40, block_size=4)
     live: dict[int, int] = {}
     for step in range(400):
         if live and (rng.random() < 0.4 or not cache.can_admit(30)):
@@ -74,7 +76,7 @@ def test_allocator_many_requests_no_leaks():
 
 
 def test_rollback_frees_blocks_and_double_free_fails():
-    cache = PagedKVCache(3, 1, 4, num_blocks=10, block_size=4)
+    cache = PagedKVCache(KVSpec(3, 1, 4), num_blocks=10, block_size=4)
     kvs = cache.add_sequence(0, 40)
     cache.reserve(0, 17)
     assert cache.allocator.num_used == 5
@@ -104,7 +106,7 @@ def test_sdpa_paged_is_lower_right_causal_on_ragged_queries():
     torch.manual_seed(0)
     nh, kh, d, bs = 4, 2, 8, 4
     q_lens, kv_lens = [3, 1, 5], [7, 4, 5]
-    cache = PagedKVCache(1, kh, d, num_blocks=12, block_size=bs)
+    cache = PagedKVCache(KVSpec(1, kh, d), num_blocks=12, block_size=bs)
     keys, vals = [], []
     for i, n in enumerate(kv_lens):
         cache.add_sequence(i, n)
@@ -146,7 +148,7 @@ def test_paged_and_contiguous_logits_identical(model, request):
     """Prefill, decode steps, a verification block and a rollback, 3 sequences batched."""
     _, lm = request.getfixturevalue(model)
     top = lm.info.num_layers
-    cache = lm.new_paged_cache(num_blocks=64, block_size=4, attention="sdpa")
+    cache = paged_pool(lm, num_blocks=64, block_size=4, attention="sdpa")
     seqs = _prompts(3, seed=5)
     refs = [ModelSession(lm, 64) for _ in seqs]
     paged = [
@@ -194,9 +196,9 @@ def test_paged_and_contiguous_logits_identical(model, request):
 def test_continuous_batching_admits_and_retires(tiny_target):
     """7 requests through 3 slots: occupancy, token counts and no leaked blocks."""
     hf, target = tiny_target
-    pipe = SpeculativePipeline(FullVerifier(target), ExactAcceptor(), drafter=PLDDrafter(k=5))
+    pipe = SpeculativePipeline(FullVerifier(target), StandardAcceptor(), drafter=PLDDrafter(k=5))
     prompts = _prompts(7)
-    want = [pipe.generate(p, MAX_NEW).tokens for p in prompts]
+    want = [generate(pipe, p, MAX_NEW).tokens for p in prompts]
     assert want[1] == hf_greedy(hf, prompts[1], MAX_NEW)
     sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=64)
     results = sched.generate([SeqRequest(p, MAX_NEW, tag=i) for i, p in enumerate(prompts)])
@@ -208,7 +210,7 @@ def test_continuous_batching_admits_and_retires(tiny_target):
 
 def test_pool_too_small_waits_then_fails_clearly(tiny_target):
     _, target = tiny_target
-    pipe = SpeculativePipeline(FullVerifier(target), ExactAcceptor())
+    pipe = SpeculativePipeline(FullVerifier(target), StandardAcceptor())
     # Room for one sequence at a time (2 x 16 positions in blocks of 4): the second request
     # waits for the first's blocks.
     sched = Scheduler(pipe, 2, KVLayout(kind="paged", block_size=4), max_context=16)
@@ -225,7 +227,7 @@ def test_pool_too_small_waits_then_fails_clearly(tiny_target):
 @pytest.mark.parametrize("kv_layout", ["contiguous", "paged"])
 def test_batch_runner_records_and_summary(tiny_target, tmp_path, kv_layout):
     _, target = tiny_target
-    pipe = SpeculativePipeline(FullVerifier(target), ExactAcceptor(), drafter=PLDDrafter(k=4))
+    pipe = SpeculativePipeline(FullVerifier(target), StandardAcceptor(), drafter=PLDDrafter(k=4))
     settings = RunSettings(
         max_new_tokens=12, baseline_cache=False, batch_size=2, kv_layout=kv_layout
     )
@@ -235,14 +237,15 @@ def test_batch_runner_records_and_summary(tiny_target, tmp_path, kv_layout):
         Request("b", "mt_bench", ("hello there", "and again")),
         Request("c", "qa", ("xyzxyz",)),
     ]
-    summary = runner.run(requests, RunFolder(tmp_path, resume=False), {"method": "pld"})
+    folder = RunFolder(tmp_path, resume=False)
+    summary = runner.run(requests, folder, RunMeta(method="pld")).to_json()  # as written
     assert summary["complete"] and summary["num_requests"] == 3
     assert summary["fidelity"] == 1.0
     batch = summary["batch"]
     assert batch["batch_size"] == 2 and batch["kv_layout"] == kv_layout
     assert batch["throughput_tokens_per_s"] > 0 and batch["mean_active"] > 1
     assert batch["baseline_throughput_tokens_per_s"] > 0 and batch["latency_s_p50"] > 0
-    rec = {r["request_id"]: r for r in RunFolder(tmp_path, resume=True).records}
+    rec = {r.request_id: r.to_json() for r in RunFolder(tmp_path, resume=True).records}
     assert len(rec["b"]["turns"]) == 2
     # turn 2's prompt contains turn 1's answer
     assert rec["b"]["turns"][1]["prompt_tokens"] > rec["b"]["turns"][0]["prompt_tokens"] + 10

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
-from specflow.models.session import ModelSession, forward_logits
-from specflow.models.stores import KVLayout, as_dtype
-from specflow.paged.attention import flash_available
-from specflow.scheduler import Scheduler, SeqRequest
-from stages.exact_acceptor import ExactAcceptor
+from specflow.kv.kernels import flash_available
+from specflow.kv.paged import paged_pool
+from specflow.kv.session import ModelSession, forward_logits
+from specflow.kv.stores import KVLayout, as_dtype
+from specflow.scheduler import Scheduler, SeqRequest, generate
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
 from stages.pld_drafter import PLDDrafter
@@ -36,7 +37,7 @@ def gpu_drafter():
 def _logits(lm, attention: str, dtype, seqs, device: str = "cuda", block_size: int = 256):
     """Logits of every position: a batched prefill of all but 3 tokens, then 3-token blocks."""
     placed = lm.to(torch.device(device), as_dtype(dtype, lm.dtype))
-    cache = placed.new_paged_cache(len(seqs) * (256 // block_size), block_size, attention)
+    cache = paged_pool(placed, len(seqs) * (256 // block_size), block_size, attention)
     sessions = [
         ModelSession(placed, 256, cache.add_sequence(i, 256), lambda i=i: cache.remove_sequence(i))
         for i in range(len(seqs))
@@ -85,8 +86,8 @@ def test_batched_greedy_on_cuda_equals_batch_one(gpu_pair, gpu_drafter, method):
         "pld": PLDDrafter(k=5),
         "sps": ModelDrafter(gpu_drafter[1], k=3),
     }[method]
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
-    want = [pipe.generate(p, 24).tokens for p in PROMPTS]
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
+    want = [generate(pipe, p, 24).tokens for p in PROMPTS]
     layout = KVLayout(kind="paged", device="cuda", attention="sdpa")
     sched = Scheduler(pipe, 3, layout, max_context=128)
     res = sched.generate([SeqRequest(p, 24, tag=i) for i, p in enumerate(PROMPTS)])
@@ -99,7 +100,7 @@ def test_batched_greedy_on_cuda_equals_batch_one(gpu_pair, gpu_drafter, method):
 @needs_flash
 def test_batched_flash_runs_and_frees(gpu_pair):
     _, lm = gpu_pair
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=PLDDrafter(k=5))
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=5))
     layout = KVLayout(kind="paged", device="cuda", dtype="bfloat16", attention="flash")
     sched = Scheduler(pipe, 3, layout, max_context=256)
     pool = sched.kv.pools[0]
@@ -115,7 +116,7 @@ def test_cuda_graphs_replay_equals_eager(gpu_pair, method):
     (fp32; a near-tie may flip one late token), and its graphs were captured and replayed."""
     _, lm = gpu_pair
     drafter = PLDDrafter(k=5) if method == "pld" else None
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
     outs, reports = [], []
     for decode in ("eager", "graphs"):
         layout = KVLayout(kind="paged", device="cuda", attention="sdpa", decode=decode)

@@ -11,20 +11,30 @@ import pytest
 
 from specflow import results
 from specflow.errors import ConfigError
+from specflow.records import RequestRecord, RunMeta
 from specflow.results import (
     CorruptRecordsError,
     RunFolder,
     read_records,
     results_fingerprint,
+    summarize,
 )
+from tests.test_callbacks import fake_record
 
 
-def _rec(i: int) -> dict:
-    return {"request_id": f"q{i}", "category": "qa", "text": "x" * i}
+def _rec(i: int) -> RequestRecord:
+    record = fake_record(i, "qa")
+    record.request_id = f"q{i}"
+    return record
 
 
-def _write_lines(path: Path, records: list[dict], tail: bytes = b"") -> bytes:
-    data = b"".join((json.dumps(r) + "\n").encode() for r in records) + tail
+def _line(i: int) -> bytes:
+    """``_rec(i)`` as written in requests.jsonl (without the newline)."""
+    return json.dumps(_rec(i).to_json()).encode()
+
+
+def _write_lines(path: Path, records: list[RequestRecord], tail: bytes = b"") -> bytes:
+    data = b"".join((json.dumps(r.to_json()) + "\n").encode() for r in records) + tail
     path.write_bytes(data)
     return data
 
@@ -40,14 +50,14 @@ def test_resume_repairs_a_torn_last_line(tmp_path: Path, caplog: pytest.LogCaptu
     warning = " ".join(r.getMessage() for r in caplog.records)
     assert f"{len(torn)} bytes" in warning and "torn last line" in warning and "q2" in warning
     folder.append(_rec(3))
-    assert [r["request_id"] for r in read_records(path)] == ["q0", "q1", "q3"]
-    assert path.read_bytes().endswith(b'"}\n') and path.read_bytes().count(b"\n") == 3
+    assert [r.request_id for r in read_records(path)] == ["q0", "q1", "q3"]
+    assert path.read_bytes().endswith(_line(3) + b"\n") and path.read_bytes().count(b"\n") == 3
 
 
 def test_a_whole_last_record_without_newline_is_kept(tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
-    _write_lines(path, [_rec(0)], json.dumps(_rec(1)).encode())
-    assert [r["request_id"] for r in read_records(path)] == ["q0", "q1"]
+    _write_lines(path, [_rec(0)], _line(1))
+    assert [r.request_id for r in read_records(path)] == ["q0", "q1"]
     folder = RunFolder(tmp_path, resume=True)
     assert folder.done_ids == {"q0", "q1"}
     assert path.read_bytes().endswith(b"\n")
@@ -55,13 +65,13 @@ def test_a_whole_last_record_without_newline_is_kept(tmp_path: Path) -> None:
 
 def test_append_starts_a_new_line_after_a_torn_one(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path, resume=False)
-    folder.requests_path.write_bytes(json.dumps(_rec(0)).encode() + b"\n" + b'{"request_id": "q')
+    folder.requests_path.write_bytes(_line(0) + b"\n" + b'{"request_id": "q')
     folder.append(_rec(1))
     lines = folder.requests_path.read_bytes().split(b"\n")
     assert lines == [
-        json.dumps(_rec(0)).encode(),
+        _line(0),
         b'{"request_id": "q',
-        json.dumps(_rec(1)).encode(),
+        _line(1),
         b"",
     ]
     # the broken line is now in the middle: reading it is an error, not a silent skip
@@ -71,14 +81,14 @@ def test_append_starts_a_new_line_after_a_torn_one(tmp_path: Path) -> None:
 
 def test_a_broken_middle_line_names_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
-    path.write_text(json.dumps(_rec(0)) + "\n\n" + "{oops\n" + json.dumps(_rec(1)) + "\n")
+    path.write_text(_line(0).decode() + "\n\n" + "{oops\n" + _line(1).decode() + "\n")
     with pytest.raises(CorruptRecordsError) as info:
         read_records(path)
     assert str(path) in str(info.value) and "line 3" in str(info.value)
     assert "{oops" in str(info.value)
     with pytest.raises(CorruptRecordsError, match="line 3"):
         RunFolder(tmp_path, resume=True)
-    path.write_text(json.dumps(_rec(0)) + "\n[1, 2]\n")
+    path.write_text(_line(0).decode() + "\n[1, 2]\n")
     with pytest.raises(CorruptRecordsError, match="line 2: expected a JSON object, got list"):
         read_records(path)
 
@@ -147,7 +157,7 @@ def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path, resume=False, fingerprint=fp)
     assert json.loads((tmp_path / "fingerprint.json").read_text()) == fp
     folder.append(_rec(0))
-    folder.write_summary({"num_requests": 1})
+    folder.write_summary(summarize([_rec(0)], RunMeta(method="pld"), complete=True))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
     changed = json.loads(json.dumps(CFG))
@@ -203,8 +213,9 @@ def test_write_summary_fsyncs_file_and_directory(
         real_fsync(fd)
 
     monkeypatch.setattr(results.os, "fsync", spy)
-    target = folder.write_summary({"num_requests": 3})
-    assert json.loads(target.read_text()) == {"num_requests": 3}
+    summary = summarize([_rec(0), _rec(1), _rec(2)], RunMeta(method="pld"), complete=True)
+    target = folder.write_summary(summary)
+    assert json.loads(target.read_text()) == summary.to_json()
     assert not (tmp_path / "summary.json.tmp").exists()
     if os.path.exists("/proc/self"):
         assert synced == [str(tmp_path / "summary.json.tmp"), str(tmp_path)]

@@ -9,15 +9,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, PromptTooLongError
 from specflow.graph import build_pipeline
-from specflow.results import RunFolder, format_table
+from specflow.records import RunMeta
+from specflow.results import RunFolder, format_table, summarize
 from specflow.runner import Runner
+from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings
-from specflow.state import SamplingParams
 from specflow.workload import Request
-from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.pld_drafter import PLDDrafter
 from tests.conftest import CharTokenizer, NoopCallback
@@ -70,7 +71,7 @@ def test_a_selector_without_a_pool_is_refused(tiny_models):  # noqa: F811
 
 
 def test_table_header_cells_are_separated():
-    summary = {"num_requests": 2, "tokens_per_s": 10.0, "speedup": 1.5, "by_category": {}}
+    summary = summarize([], RunMeta(), complete=True)
     head = format_table(summary).splitlines()[0]
     assert head == (
         "category           n           tokens/s  baseline_tokens/s            speedup"
@@ -79,7 +80,7 @@ def test_table_header_cells_are_separated():
 
 
 def _pld(lm) -> SpeculativePipeline:
-    return SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=PLDDrafter(k=4))
+    return SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=4))
 
 
 def test_a_prompt_too_long_names_the_real_budget(tiny_target, tmp_path):
@@ -87,7 +88,7 @@ def test_a_prompt_too_long_names_the_real_budget(tiny_target, tmp_path):
     runner = Runner(_pld(lm), CharTokenizer(), RunSettings(max_new_tokens=100), SamplingParams())
     request = Request("long", "qa", ("x" * 450,))
     with pytest.raises(PromptTooLongError, match=r"request long: .*max_new_tokens=100 .*<= 62"):
-        runner.run([request], RunFolder(tmp_path, resume=False), {"method": "pld"})
+        runner.run([request], RunFolder(tmp_path, resume=False), RunMeta(method="pld"))
 
 
 def test_the_baseline_is_side_by_side_by_default(tiny_target, tmp_path):
@@ -96,12 +97,12 @@ def test_the_baseline_is_side_by_side_by_default(tiny_target, tmp_path):
     assert settings.baseline_cache is False
     runner = Runner(_pld(lm), CharTokenizer(), settings, SamplingParams())
     summary = runner.run(
-        [Request("a", "qa", ("abcabc",))], RunFolder(tmp_path / "run", False), {"method": "p"}
+        [Request("a", "qa", ("abcabc",))], RunFolder(tmp_path / "run", False), RunMeta(method="p")
     )
     (record,) = RunFolder(tmp_path / "run", resume=True).records
-    assert record["metrics"]["baseline_cached"] is False
+    assert record.metrics.baseline.baseline_cached is False
     assert not (tmp_path / "cache" / "baselines").exists()
-    assert "baseline_drift" not in summary["batch"]
+    assert "baseline_drift" not in summary.batch.to_json()
 
 
 def test_a_cached_baseline_is_re_timed_and_drift_reported(tiny_target, tmp_path, caplog):
@@ -111,7 +112,7 @@ def test_a_cached_baseline_is_re_timed_and_drift_reported(tiny_target, tmp_path,
     )
     requests = [Request("a", "qa", ("abcabc",))]
     Runner(_pld(lm), CharTokenizer(), settings, SamplingParams()).run(
-        requests, RunFolder(tmp_path / "r1", False), {"method": "p"}
+        requests, RunFolder(tmp_path / "r1", False), RunMeta(method="p")
     )
     (entry,) = (tmp_path / "cache" / "baselines").glob("*.json")
     cached = json.loads(entry.read_text())
@@ -119,12 +120,12 @@ def test_a_cached_baseline_is_re_timed_and_drift_reported(tiny_target, tmp_path,
     entry.write_text(json.dumps(cached))
     with caplog.at_level(logging.WARNING, logger="specflow.runner"):
         summary = Runner(_pld(lm), CharTokenizer(), settings, SamplingParams()).run(
-            requests, RunFolder(tmp_path / "r2", False), {"method": "p"}
+            requests, RunFolder(tmp_path / "r2", False), RunMeta(method="p")
         )
-    assert summary["batch"]["baseline_drift"] < 0.01
+    assert summary.batch.baseline_drift < 0.01
     assert "cached baseline of a took" in caplog.text and "faster" in caplog.text
     (record,) = RunFolder(tmp_path / "r2", resume=True).records
-    assert record["metrics"]["baseline_cached"] is True
+    assert record.metrics.baseline.baseline_cached is True
 
 
 class _Ends(NoopCallback):
@@ -147,6 +148,6 @@ def test_on_run_end_runs_even_when_writing_the_summary_fails(tiny_target, tmp_pa
 
     monkeypatch.setattr(folder, "write_summary", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        runner.run([Request("a", "qa", ("abc",))], folder, {"method": "p"})
+        runner.run([Request("a", "qa", ("abc",))], folder, RunMeta(method="p"))
     assert ends.ended == 1
-    assert [r["request_id"] for r in RunFolder(tmp_path, resume=True).records] == ["a"]
+    assert [r.request_id for r in RunFolder(tmp_path, resume=True).records] == ["a"]

@@ -6,16 +6,18 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.models.session import ModelSession
-from specflow.state import DecodeState, SamplingParams
+from specflow.kv.session import ModelSession
+from specflow.kv.stores import KVStores
+from specflow.sampling import SamplingParams
+from specflow.scheduler import generate
+from specflow.state import DecodeState
 from stages.early_exit_verifier import EarlyExitVerifier
-from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.layer_skip_drafter import LayerSkipDrafter
 from stages.model_drafter import ModelDrafter
-from stages.rejection_acceptor import RejectionAcceptor
 from tests.conftest import hf_greedy, make_pair, two_token_law
 
 PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]]
@@ -40,11 +42,9 @@ class CountingLM:
         self.evals = [0] * lm.info.num_layers
         self.incarnations = 0
 
-    def new_layer_caches(self, max_len):
-        return self.lm.new_layer_caches(max_len)
-
-    def new_paged_cache(self, num_blocks, block_size, attention, num_layers=None):
-        return self.lm.new_paged_cache(num_blocks, block_size, attention, num_layers)
+    @property
+    def kv(self):
+        return self.lm.kv
 
     def to(self, device, dtype):
         return self
@@ -77,7 +77,7 @@ def deep():
 def hispec(lm, k=3, l_d=2, l_i=4, accumulate=4, acceptor=None):
     return SpeculativePipeline(
         FullVerifier(lm),
-        acceptor or ExactAcceptor(),
+        acceptor or StandardAcceptor(),
         drafter=ModelDrafter(lm, k=k, exit_layer=l_d),
         intermediate_verifier=EarlyExitVerifier(lm, exit_layer=l_i, accumulate=accumulate),
     )
@@ -88,16 +88,16 @@ def hispec(lm, k=3, l_d=2, l_i=4, accumulate=4, acceptor=None):
 def test_self_spec_equals_hf(deep, prompt, exit_layer):
     hf, lm = deep
     pipe = SpeculativePipeline(
-        FullVerifier(lm), ExactAcceptor(), drafter=ModelDrafter(lm, k=3, exit_layer=exit_layer)
+        FullVerifier(lm), StandardAcceptor(), drafter=ModelDrafter(lm, k=3, exit_layer=exit_layer)
     )
-    assert pipe.generate(prompt, MAX_NEW).tokens == hf_greedy(hf, prompt, MAX_NEW)
+    assert generate(pipe, prompt, MAX_NEW).tokens == hf_greedy(hf, prompt, MAX_NEW)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize(("l_d", "l_i", "acc"), [(1, 3, 4), (2, 4, 2), (2, 5, 6)])
 def test_hispec_equals_hf(deep, prompt, l_d, l_i, acc):
     hf, lm = deep
-    gen = hispec(lm, l_d=l_d, l_i=l_i, accumulate=acc).generate(prompt, MAX_NEW)
+    gen = generate(hispec(lm, l_d=l_d, l_i=l_i, accumulate=acc), prompt, MAX_NEW)
     assert gen.tokens == hf_greedy(hf, prompt, MAX_NEW)
     inner = gen.nested_stats["intermediate"]
     assert inner.rounds > 0 and inner.drafted > 0
@@ -110,28 +110,28 @@ def test_pld_feeds_the_intermediate_verifier(deep):
     hf, lm = deep
     pipe = SpeculativePipeline(
         FullVerifier(lm),
-        ExactAcceptor(),
+        StandardAcceptor(),
         drafter=PLDDrafter(k=3),
         intermediate_verifier=EarlyExitVerifier(lm, exit_layer=3, accumulate=4),
     )
     for prompt in PROMPTS:
-        assert pipe.generate(prompt, MAX_NEW).tokens == hf_greedy(hf, prompt, MAX_NEW)
+        assert generate(pipe, prompt, MAX_NEW).tokens == hf_greedy(hf, prompt, MAX_NEW)
 
 
 def test_layer_skip_equals_hf(deep):
     hf, lm = deep
     pipe = SpeculativePipeline(
-        FullVerifier(lm), ExactAcceptor(), drafter=LayerSkipDrafter(lm, skip_layers=[1, 3], k=3)
+        FullVerifier(lm), StandardAcceptor(), drafter=LayerSkipDrafter(lm, skip_layers=[1, 3], k=3)
     )
     for prompt in PROMPTS:
-        assert pipe.generate(prompt, MAX_NEW).tokens == hf_greedy(hf, prompt, MAX_NEW)
+        assert generate(pipe, prompt, MAX_NEW).tokens == hf_greedy(hf, prompt, MAX_NEW)
 
 
 def test_each_layer_runs_once_per_position_and_prefix(deep):
     """HiSpec's reuse: no layer ever computes the same position of the same prefix twice."""
     hf, lm = deep
     counting = CountingLM(lm)
-    gen = hispec(counting).generate(PROMPTS[0], MAX_NEW)
+    gen = generate(hispec(counting), PROMPTS[0], MAX_NEW)
     assert gen.tokens == hf_greedy(hf, PROMPTS[0], MAX_NEW)
     # One layer-0 evaluation per incarnation; deeper layers see fewer positions, since
     # drafts rejected at the intermediate exit never reach the target's layers.
@@ -144,7 +144,9 @@ def test_each_layer_runs_once_per_position_and_prefix(deep):
 def test_caches_after_rollback_equal_a_fresh_computation(deep):
     _, lm = deep
     pipe = hispec(lm)
-    state = DecodeState(tokens=list(PROMPTS[1]), prompt_len=len(PROMPTS[1]), max_len=80)
+    state = DecodeState(
+        tokens=list(PROMPTS[1]), prompt_len=len(PROMPTS[1]), max_len=80, kv=KVStores()
+    )
     pipe.begin([state])
     for _ in range(6):
         pipe.run_round([state], [30])
@@ -175,7 +177,7 @@ def test_bad_exit_layers_are_refused(deep):
     with pytest.raises(ConfigError, match="needs a drafter"):
         SpeculativePipeline(
             FullVerifier(lm),
-            ExactAcceptor(),
+            StandardAcceptor(),
             intermediate_verifier=EarlyExitVerifier(lm, exit_layer=2),
         )
 
@@ -183,13 +185,13 @@ def test_bad_exit_layers_are_refused(deep):
 def test_hispec_sampling_follows_the_target_law(deep):
     _, lm = deep
     sampling = SamplingParams(temperature=1.0, top_k=3)
-    pipe = hispec(lm, k=2, accumulate=2, acceptor=RejectionAcceptor())
+    pipe = hispec(lm, k=2, accumulate=2, acceptor=StandardAcceptor())
     prompt = [1, 5, 9]
     law = two_token_law(lm, prompt, sampling)
     trials = 1200
     counts = dict.fromkeys(law, 0)
     for seed in range(trials):
-        counts[tuple(pipe.generate(prompt, 2, sampling, seed=seed, stop_token_ids=()).tokens)] += 1
+        counts[tuple(generate(pipe, prompt, 2, sampling, seed=seed, stop_token_ids=()).tokens)] += 1
     cells = list(law)
     assert (
         chisquare(

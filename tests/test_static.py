@@ -12,16 +12,17 @@ import random
 import pytest
 import torch
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.models.stores import KVLayout
-from specflow.paged.attention import AttnBatch, causal_prefill, sdpa_paged
-from specflow.paged.cache import PagedKVCache
-from specflow.paged.static import bucket_for, static_paged
+from specflow.kv.base import KVSpec
+from specflow.kv.kernels import AttnBatch, causal_prefill, paged_sdpa, sdpa_paged
+from specflow.kv.paged import PagedKVCache
+from specflow.kv.static import bucket_for
+from specflow.kv.stores import KVLayout
 from specflow.scheduler import Scheduler, SeqRequest
 from specflow.settings import RunSettings
 from stages.draft_length import AdaptiveDraftLength
-from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
 from stages.pld_drafter import PLDDrafter
@@ -38,7 +39,7 @@ def test_buckets():
 
 def _filled_pool(kv_lens: list[int], kh: int = 2, d: int = 8, bs: int = 4, seed: int = 0):
     torch.manual_seed(seed)
-    pool = PagedKVCache(1, kh, d, num_blocks=32, block_size=bs)
+    pool = PagedKVCache(KVSpec(1, kh, d), num_blocks=32, block_size=bs)
     for i, n in enumerate(kv_lens):
         pool.add_sequence(i, 24)
         pool.reserve(i, n)
@@ -50,7 +51,8 @@ def _filled_pool(kv_lens: list[int], kh: int = 2, d: int = 8, bs: int = 4, seed:
 
 def test_static_attention_equals_the_dynamic_kernel_with_padding():
     """Ragged queries padded to a fixed [B, T] with a fixed-width table: the real rows
-    equal ``sdpa_paged`` (lower-right causal, per sequence)."""
+    equal ``sdpa_paged`` (lower-right causal, per sequence): the one kernel, masked by
+    position over the whole table as the static path calls it."""
     nh, d, bs = 4, 8, 4
     q_lens, kv_lens = [3, 1, 2], [7, 4, 5]
     pool = _filled_pool(kv_lens)
@@ -68,9 +70,8 @@ def test_static_attention_equals_the_dynamic_kernel_with_padding():
         blocks = pool.blocks_of(b)
         table[b, : len(blocks)] = torch.tensor(blocks)
         row += tq
-    got = static_paged(
-        qs, pool.k[0], pool.v[0], table, positions, torch.arange(width * bs), d**-0.5
-    )
+    visible = torch.arange(width * bs)[None, None, :] <= positions[:, :, None]  # [B, T, W*BS]
+    got = paged_sdpa(qs, pool.k[0], pool.v[0], table, visible, d**-0.5)
     row = 0
     for b, tq in enumerate(q_lens):
         torch.testing.assert_close(got[b, :tq], want[row : row + tq], atol=1e-5, rtol=1e-5)
@@ -81,7 +82,7 @@ def test_causal_prefill_equals_the_paged_kernel():
     nh, kh, d = 4, 2, 8
     lens = [5, 1, 3]
     q, k, v = torch.randn(9, nh, d), torch.randn(9, kh, d), torch.randn(9, kh, d)
-    pool = PagedKVCache(1, kh, d, num_blocks=16, block_size=4)
+    pool = PagedKVCache(KVSpec(1, kh, d), num_blocks=16, block_size=4)
     for i, n in enumerate(lens):
         pool.add_sequence(i, 8)
         pool.reserve(i, n)
@@ -95,7 +96,7 @@ def test_causal_prefill_equals_the_paged_kernel():
 
 def _pipelines(lm, draft_lm):
     def p(drafter=None, **kw):
-        return SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter, **kw)
+        return SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter, **kw)
 
     return {
         "ar": p(),
@@ -111,7 +112,7 @@ def _pipelines(lm, draft_lm):
 def test_static_steps_keep_greedy_identity(method, batch_size, tiny_target, tiny_drafter):
     hf, lm = tiny_target
     pipe = _pipelines(lm, tiny_drafter[1])[method]
-    layout = KVLayout(kind="paged", decode="static", block_size=4, max_rows=6)
+    layout = KVLayout(kind="paged", decode="static", block_size=4)
     sched = Scheduler(pipe, batch_size, layout, max_context=64)
     reqs = [SeqRequest(p, MAX_NEW, tag=i) for i, p in enumerate(PROMPTS)]
     got = {r.request.tag: r.generation.tokens for r in sched.generate(reqs)}
@@ -131,7 +132,7 @@ def test_static_steps_keep_greedy_identity(method, batch_size, tiny_target, tiny
 def test_kernel_choice(monkeypatch):
     """auto: flash on CUDA with fp16/bf16 when flash-attn imports, else SDPA; graphs only
     on CUDA with paged KV."""
-    import specflow.paged.attention as attention
+    import specflow.kv.kernels as attention
 
     monkeypatch.setattr(attention, "flash_available", lambda: True)
     assert attention.select_backend("auto", "cuda", torch.bfloat16)[0] == "flash"
@@ -149,17 +150,33 @@ def test_kernel_choice(monkeypatch):
         KVLayout(kind="contiguous", decode="static")
 
 
-def test_steps_outside_the_buckets_run_eagerly(tiny_target):
-    """Verify rows beyond ``max_rows`` do not fit a static shape: eager, same tokens."""
+def test_static_rows_follow_the_pipelines_draft_length(tiny_target):
+    """A static step takes up to ``max_draft_len + 1`` rows, derived from the pipeline: with
+    k = 20 (beyond a fixed 16-row cap) every verify step still runs statically."""
     hf, lm = tiny_target
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=PLDDrafter(k=8))
-    layout = KVLayout(kind="paged", decode="static", block_size=4, max_rows=2)
-    sched = Scheduler(pipe, 2, layout, max_context=64)
-    prompt = PROMPTS[1]
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=20))
+    layout = KVLayout(kind="paged", decode="static", block_size=4)
+    sched = Scheduler(pipe, 1, layout, max_context=96)
+    prompt = PROMPTS[1] * 3  # repeats: prompt lookup drafts long
     (res,) = sched.generate([SeqRequest(prompt, MAX_NEW)])
     assert res.generation.tokens == hf_greedy(hf, prompt, MAX_NEW)
     report = sched.kv.report()
-    assert report["eager_steps"] > 0
+    assert pipe.max_draft_len == 20
+    assert report["eager_steps"] == 0 and report["static_steps"] > 0
+    assert max(res.generation.stats.asked_per_round) > 15
+
+
+def test_steps_outside_the_buckets_run_eagerly(tiny_target):
+    """More sequences than the largest batch bucket (32): eager steps, same tokens."""
+    hf, lm = tiny_target
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=4))
+    layout = KVLayout(kind="paged", decode="static", block_size=4)
+    sched = Scheduler(pipe, 33, layout, max_context=48)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(33)]
+    res = sched.generate([SeqRequest(p, 8, tag=i) for i, p in enumerate(prompts)])
+    want = [hf_greedy(hf, p, 8) for p in PROMPTS]
+    assert all(r.generation.tokens == want[r.request.tag % len(PROMPTS)] for r in res)
+    assert sched.kv.report()["eager_steps"] > 0
 
 
 def test_random_batches_static_equals_eager(tiny_qwen):
@@ -167,10 +184,10 @@ def test_random_batches_static_equals_eager(tiny_qwen):
     _, lm = tiny_qwen
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 120) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=PLDDrafter(k=4))
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=4))
     outs = []
     for decode in ("eager", "static"):
-        layout = KVLayout(kind="paged", decode=decode, block_size=4, max_rows=5)
+        layout = KVLayout(kind="paged", decode=decode, block_size=4)
         sched = Scheduler(pipe, 4, layout, max_context=64)
         res = sched.generate([SeqRequest(p, 20, tag=i) for i, p in enumerate(prompts)])
         outs.append({r.request.tag: r.generation.tokens for r in res})
@@ -179,7 +196,7 @@ def test_random_batches_static_equals_eager(tiny_qwen):
 
 @pytest.mark.parametrize(
     "module",
-    ["models/native.py", "models/attention.py", "paged/attention.py", "paged/static.py"],
+    ["models/native.py", "kv/contiguous.py", "kv/kernels.py", "kv/paged.py", "kv/static.py"],
 )
 def test_no_host_sync_inside_the_model(module):
     """The decoder layer and its attention backends never read a device value back on the

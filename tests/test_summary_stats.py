@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specflow.records import PairedCounts, RunMeta
 from specflow.results import paired_counts, summarize, wilson_interval
 from tests.test_callbacks import fake_record
 
@@ -23,12 +24,12 @@ def test_wilson_interval_hand_computed() -> None:
 def test_paired_counts_and_exact_mcnemar() -> None:
     # 6 plain-only, 0 method-only: p = 2 * 0.5**6
     pairs = [(0, 1)] * 6 + [(1, 1)] + [(0, 0)] * 13
-    assert paired_counts(pairs) == {
-        "both": 1, "method_only": 0, "plain_only": 6, "neither": 13, "mcnemar_p": 0.03125,
-    }
+    assert paired_counts(pairs) == PairedCounts(
+        both=1, method_only=0, plain_only=6, neither=13, mcnemar_p=0.03125,
+    )
     # 3 vs 1 discordant: 2 * P[Bin(4, 1/2) <= 1] = 2 * 5/16
-    assert paired_counts([(1, 0)] * 3 + [(0, 1)])["mcnemar_p"] == 0.625
-    assert paired_counts([(1, 1), (0, 0)])["mcnemar_p"] == 1.0
+    assert paired_counts([(1, 0)] * 3 + [(0, 1)]).mcnemar_p == 0.625
+    assert paired_counts([(1, 1), (0, 0)]).mcnemar_p == 1.0
 
 
 def test_summary_carries_intervals_pairs_and_loose_counts() -> None:
@@ -36,9 +37,9 @@ def test_summary_carries_intervals_pairs_and_loose_counts() -> None:
         fake_record(i, "code", task={"task/pass@1": float(i % 2)}) for i in range(4)
     ]
     for i, r in enumerate(records):
-        r["baseline_task"] = {"task/pass@1": 1.0 if i < 3 else 0.0}
-        r["metrics"]["levels"]["fly_loose"] = [12, i]
-    s = summarize(records, {"method": "m"})
+        r.baseline_task = {"task/pass@1": 1.0 if i < 3 else 0.0}
+        r.metrics.levels["fly_loose"] = [12, i]
+    s = summarize(records, RunMeta(method="m"), complete=True).to_json()
     assert s["task/pass@1"] == 0.5 and s["baseline_task/pass@1"] == 0.75
     assert s["task_ci95"]["task/pass@1"] == wilson_interval(2, 4)
     assert s["baseline_task_ci95"]["task/pass@1"] == wilson_interval(3, 4)
@@ -52,5 +53,5 @@ def test_summary_carries_intervals_pairs_and_loose_counts() -> None:
 
 def test_non_binary_scores_get_no_interval() -> None:
     records = [fake_record(i, "summ", task={"task/rouge_l": 0.25 * i}) for i in range(3)]
-    s = summarize(records, {})
+    s = summarize(records, RunMeta(), complete=True).to_json()
     assert "task_ci95" not in s and "task_paired" not in s

@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specflow.acceptance import StandardAcceptor
 from specflow.drafting import SubVocabHead, draft_with_model
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
+from specflow.kv.session import ModelSession
+from specflow.kv.stores import KVStores
 from specflow.models.native import NativeLM
-from specflow.models.session import ModelSession
 from specflow.models.tiny import tiny_model_info
+from specflow.scheduler import generate
 from specflow.state import DecodeState
-from stages.exact_acceptor import ExactAcceptor
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
 from tests.conftest import hf_greedy
@@ -37,7 +39,7 @@ def test_subset_head_is_the_full_head_restricted(tiny_drafter):
 
 def test_greedy_drafts_come_from_the_subset(tiny_drafter):
     _, lm = tiny_drafter
-    state = DecodeState(tokens=[1, 5, 9], prompt_len=3, max_len=32)
+    state = DecodeState(tokens=[1, 5, 9], prompt_len=3, max_len=32, kv=KVStores())
     head = SubVocabHead.build(lm, 4, always=[9])
     (draft,) = draft_with_model([state], lm, lm.info.num_layers, [6], subvocabs=[head])
     assert len(draft.tokens) == 6 and set(draft.tokens) <= {0, 1, 2, 3, 9}
@@ -49,8 +51,8 @@ def test_sps_with_a_vocab_subset_equals_hf(tiny_target, tiny_drafter, vocab_subs
     _, draft_lm = tiny_drafter
     prompt = [1, 5, 9, 17, 33, 5, 9]
     drafter = ModelDrafter(draft_lm, k=4, vocab_subset=vocab_subset)
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
-    assert pipe.generate(prompt, 40).tokens == hf_greedy(hf, prompt, 40)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
+    assert generate(pipe, prompt, 40).tokens == hf_greedy(hf, prompt, 40)
 
 
 def test_self_drafting_over_the_whole_vocabulary_accepts_everything(tiny_target):
@@ -59,9 +61,8 @@ def test_self_drafting_over_the_whole_vocabulary_accepts_everything(tiny_target)
     hf, lm = tiny_target
     copy = NativeLM.from_hf(hf, tiny_model_info(hf, "copy"))  # its own session
     drafter = ModelDrafter(copy, k=4, vocab_subset=lm.info.vocab_size)
-    gen = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter).generate(
-        [1, 5, 9], 20
-    )
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
+    gen = generate(pipe, [1, 5, 9], 20)
     assert gen.stats.accepted == gen.stats.drafted
 
 
@@ -73,13 +74,13 @@ def test_bad_vocab_subset_fails_clearly(tiny_drafter):
 
 def test_vocab_subsets_per_request_at_batch_three(tiny_target, tiny_drafter):
     """Each request drafts over its own subset (its prompt's tokens); batched, paged KV."""
-    from specflow.models.stores import KVLayout
+    from specflow.kv.stores import KVLayout
     from specflow.scheduler import Scheduler, SeqRequest
 
     hf, lm = tiny_target
     prompts = [[1, 5, 9, 17, 33, 5, 9], [100, 101, 102, 100, 101], [60, 61, 62]]
     drafter = ModelDrafter(tiny_drafter[1], k=4, vocab_subset=16)
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(), drafter=drafter)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
     sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=64)
     res = sched.generate([SeqRequest(p, 30, tag=i) for i, p in enumerate(prompts)])
     got = {r.request.tag: r.generation for r in res}

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from specflow.cache_root import cache_root
 from train_heads.generate import Generated
 from train_heads.losses import teacher_topk
 
@@ -171,3 +172,10 @@ def find_cached(directory: Path, layers: list[int]) -> Path | None:
         if set(layers) <= have:
             return path
     return None
+
+
+def data_cache_dir(configured: str | None) -> Path:
+    """Where training data is cached: ``data.cache_dir``, or ``<cache root>/train_heads``
+    (the one cache root of ``specflow.cache_root``: ``$SPECFLOW_CACHE`` or
+    ``~/.cache/specflow``)."""
+    return Path(configured).expanduser() if configured else cache_root() / "train_heads"

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specflow.kv.contiguous import KVCache
 from specflow.models.feature_head import (
     FeatureDraftModel,
     FeatureHead,
@@ -33,6 +34,7 @@ from specflow.models.feature_head import (
     load_feature_head,
     save_feature_head,
 )
+from train_heads.cache import data_cache_dir
 from train_heads.feature_data import (
     FeatureSequences,
     data_key,
@@ -88,7 +90,7 @@ def simulate_tau(head: FeatureHead, lm: Any, data: FeatureSequences, k: int) -> 
     for i in range(data.num_seqs):
         tok, feats, plen = data.seq(i)
         tok = tok.tolist()
-        kv = dm.new_cache(len(tok) + k + 1)
+        kv = KVCache(dm.kv, len(tok) + k + 1)
         n = plen
         while n < len(tok):
             start, end = kv.length, n - 1
@@ -158,7 +160,7 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
                     "weights": info.weights_fingerprint, "dtype": str(lm.dtype),
                     "data": {k: v for k, v in OmegaConf.to_container(hc.data, resolve=True).items()
                              if k != "num_prompts"}})  # chunks are a prefix-stable sequence
-    directory = Path(cfg.data.cache_dir).expanduser() / Path(info.name).name / f"feature-{key}"
+    directory = data_cache_dir(cfg.data.cache_dir) / Path(info.name).name / f"feature-{key}"
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "key.json").write_text(json.dumps(OmegaConf.to_container(hc.data), indent=2))
     train, t_train = generate_chunked(lm, train_ids, directory, "train",

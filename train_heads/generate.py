@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specflow.models.base import LayeredLM, LayerKV
+from specflow.kv.base import LayeredLM, LayerKV
+from specflow.kv.contiguous import layer_caches
 
 
 @dataclass
@@ -43,7 +44,7 @@ def prefill(
     """Run the prompt through every layer; return (``{L: h_L [P, H]}`` for ``layers`` and
     ``N``, the filled caches, the greedy next token)."""
     n = lm.info.num_layers
-    caches = lm.new_layer_caches(max_len)
+    caches = layer_caches(lm, max_len)
     h = lm.embed(torch.tensor(prompt, dtype=torch.long))
     kept = {}
     memo: dict = {}

@@ -53,6 +53,7 @@ from train_heads.cache import (  # noqa: E402
     HiddenCache,
     build_cache,
     cache_key,
+    data_cache_dir,
     find_cached,
     layers_filename,
 )
@@ -126,7 +127,7 @@ def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Pro
     }
     for k in ("batch_size", "val_max_rows", "cache_dir", "gen_batch_size", "wait_for_cache_s"):
         key_parts["data"].pop(k, None)
-    directory = Path(data.cache_dir).expanduser() / Path(info.name).name / cache_key(key_parts)
+    directory = data_cache_dir(data.cache_dir) / Path(info.name).name / cache_key(key_parts)
     found = find_cached(directory, layers + [info.num_layers])
     if found is None and process_rank() != 0:
         log.info("rank %d: waiting for rank 0's hidden-state cache in %s", process_rank(),
@@ -215,7 +216,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     if loaded is None:
         from specflow.models.loading import load_model
 
-        loaded = load_model(cfg.model.name, dtype=cfg.model.dtype, backend="native")
+        loaded = load_model(cfg.model.name, dtype=cfg.model.dtype, backend="native",
+                            trust_remote_code=False, packed_weights=None)
     times["load_model_s"] = time.perf_counter() - t0
     lm, info = loaded.lm, loaded.info
     if not hasattr(lm, "lm_head"):

@@ -25,7 +25,6 @@ the ``train_heads/`` sub-project; inference needs only this module (no Lightning
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specflow.cache_root import cache_root
 from specflow.errors import ConfigError
-from specflow.models.base import LayeredLM, ModelInfo
+from specflow.kv.base import LayeredLM, ModelInfo
 
 if TYPE_CHECKING:
     from specflow.models.native import NativeLM
@@ -110,11 +110,11 @@ class ExitHead(nn.Module):
 
 
 def default_heads_path(model_name: str, cache_dir: str | Path | None = None) -> Path:
-    """``<cache>/heads/<model>/heads.safetensors``; cache = ``$SPECFLOW_CACHE`` or
-    ``~/.cache/specflow`` (a path-like model name is reduced to its last component)."""
-    root = Path(cache_dir or os.environ.get("SPECFLOW_CACHE") or Path.home() / ".cache/specflow")
+    """``<cache>/heads/<model>/heads.safetensors``; cache = ``cache_root(cache_dir)`` (the
+    run's ``runner.cache_dir``, ``$SPECFLOW_CACHE`` or ``~/.cache/specflow`` unless given; a
+    path-like model name is reduced to its last component)."""
     safe = Path(model_name).name if "/" in model_name else model_name
-    return root.expanduser() / "heads" / safe / "heads.safetensors"
+    return cache_root(cache_dir) / "heads" / safe / "heads.safetensors"
 
 
 def _check_heads(heads: Mapping[int, nn.Module], info: ModelInfo) -> None:

@@ -52,8 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specflow.errors import ConfigError
-from specflow.models.attention import KVCache
-from specflow.models.base import LayerBatch, ModelInfo
+from specflow.kv.base import KVSpec, LayerBatch, ModelInfo
 from specflow.models.exit_heads import check_base_model, default_heads_path
 from specflow.models.native import NativeLM, _Layer, dense, linear, pack, packing_available
 
@@ -206,7 +205,8 @@ class FeatureHead(nn.Module):
 
 # ---------------------------------------------------------------------- files
 def default_feature_head_path(model_name: str, cache_dir: str | Path | None = None) -> Path:
-    """``<cache>/heads/<model>/feature_head.safetensors``, beside the model's exit heads."""
+    """``<cache>/heads/<model>/feature_head.safetensors``, beside the model's exit heads
+    (``default_heads_path``: the cache is ``specflow.cache_root.cache_root(cache_dir)``)."""
     return default_heads_path(model_name, cache_dir).with_name("feature_head.safetensors")
 
 
@@ -275,7 +275,7 @@ class FeatureDraftModel:
 
     Its decoder layer is a one-layer ``NativeLM`` sharing the target's embedding, final norm
     and RoPE tables, with the draft vocabulary's LM-head rows as its head (packed where the
-    target is).  ``new_cache`` gives one request's KV cache of the head's layer.
+    target is).  ``kv`` describes the keys/values of the head's layer (one cache a request).
     """
 
     def __init__(self, head: FeatureHead, target: NativeLM) -> None:
@@ -322,9 +322,10 @@ class FeatureDraftModel:
         self.target = target
         self.vocab_size = target.info.vocab_size
 
-    def new_cache(self, max_len: int) -> KVCache:
-        """One request's (empty) KV cache of the head's layer."""
-        return self.core.new_layer_caches(max_len)[0]
+    @property
+    def kv(self) -> KVSpec:
+        """The keys/values of the head's one layer (a request's cache: ``KVCache(kv, n)``)."""
+        return self.core.kv
 
     @torch.inference_mode()
     def step(self, feats: torch.Tensor, next_ids: torch.Tensor, batch: LayerBatch

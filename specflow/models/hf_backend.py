@@ -1,16 +1,16 @@
-"""Any HF causal LM as a one-layer ``LayeredLM``: the generic fallback for ``NativeLM``.
+"""Any HF causal LM as a one-unit ``LayeredLM``: the generic fallback for ``NativeLM``.
 
-The whole decoder is "layer 0", so ``info.num_layers == 1`` and the only exit is 1 (the
-real layer count stays in ``info.extra["real_num_layers"]`` for reporting).  No early exit,
-but speculation with a separate drafter works for every architecture HF supports.
+The whole decoder runs as one unit, "layer 0": ``info.num_layers == 1`` (``run_layer`` runs
+units, and this backend cannot stop inside HF's decoder) and the only exit is 1; the
+decoder's real layer count is ``info.decoder_layers``.  No early exit, but speculation with
+a separate drafter works for every architecture HF supports.
 
-Hack: ``embed`` returns the token ids themselves (``[T]`` long), not ``h_0``; layer 0 embeds
-them inside HF.  This only holds because ``ModelSession`` passes ``embed``'s output straight
-to ``run_layer(0, ...)`` and never keeps or concatenates ``h_0``.
-
-``run_layer`` returns the decoder's last hidden state (after HF's final norm) and ``head``
-applies the output embedding, so logits == HF's ``logits`` for models computing them as
-``lm_head(last_hidden_state)`` (plus Gemma-style ``final_logit_softcapping``).
+``embed`` is HF's input embedding (``h_0``) and ``run_layer(0, h_0)`` feeds it to the decoder
+as ``inputs_embeds``; ``run_layer`` returns the decoder's last hidden state (after HF's final
+norm) and ``head`` applies the output embedding, so logits == HF's ``logits`` for models
+computing them as ``lm_head(last_hidden_state)`` (plus Gemma-style
+``final_logit_softcapping``).  HF keeps its own cache (a ``DynamicCache`` per sequence,
+``HFLayerKV``): contiguous layout only (``kv`` is a ``SelfManagedKV``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from specflow.errors import ConfigError, PromptTooLongError
-from specflow.models.base import ModelInfo
+from specflow.kv.base import LayerKV, ModelInfo, SelfManagedKV
 
 
 class HFLayerKV:
@@ -56,23 +56,25 @@ class HFBackendLM:
         self.decoder = hf_model.get_decoder()
         self.lm_head = hf_model.get_output_embeddings()
         self.softcap = getattr(hf_model.config, "final_logit_softcapping", None)
+        self.input_embeddings = hf_model.get_input_embeddings()
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
-        extra = {**info.extra, "real_num_layers": info.num_layers}
-        self.info = dataclasses.replace(info, num_layers=1, extra=extra)
+        self.info = dataclasses.replace(info, num_layers=1, decoder_layers=info.num_layers)
 
-    def new_layer_caches(self, max_len: int) -> list[HFLayerKV]:
-        """One ``HFLayerKV`` (the single "layer") for up to ``max_len`` positions."""
-        return [HFLayerKV(self.hf_model.config, max_len)]
-
-    def new_paged_cache(
-        self, num_blocks: int, block_size: int, attention: str, num_layers: int | None = None
-    ):  # noqa: ANN201 - never returns
-        raise ConfigError(
-            f"{self.info.name} runs on the generic transformers backend, which keeps its own "
-            f"contiguous cache: set runner.kv_layout=contiguous (paged KV needs "
-            f"model.backend=native, Llama/Qwen2 models)"
+    @property
+    def kv(self) -> SelfManagedKV:
+        """HF keeps its own cache: one ``HFLayerKV`` (the single unit) per sequence."""
+        return SelfManagedKV(
+            new_caches=self._new_caches,
+            why_not_paged=(
+                f"{self.info.name} runs on the generic transformers backend, which keeps its "
+                f"own contiguous cache: set runner.kv_layout=contiguous (paged KV needs "
+                f"model.backend=native, Llama/Qwen2 models)"
+            ),
         )
+
+    def _new_caches(self, max_len: int) -> list[LayerKV]:
+        return [HFLayerKV(self.hf_model.config, max_len)]
 
     def to(self, device: torch.device, dtype: torch.dtype) -> HFBackendLM:
         param = next(self.hf_model.parameters())
@@ -84,15 +86,16 @@ class HFBackendLM:
             f"backend"
         )
 
+    @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """``token_ids [T] -> token_ids [T]`` (long): embedding happens inside layer 0."""
-        return token_ids.to(device=self.device, dtype=torch.long)
+        """``token_ids [T] -> h_0 [T, H]``: HF's input embedding."""
+        return self.input_embeddings(token_ids.to(device=self.device, dtype=torch.long))
 
     @torch.inference_mode()
     def run_layer(
         self, layer: int, hidden: torch.Tensor, batch: list[tuple[HFLayerKV, int]], memo: dict
     ) -> torch.Tensor:
-        """``token_ids [N] -> last hidden states [N, H]``: the batch's sequences one by one."""
+        """``h_0 [N, H] -> last hidden states [N, H]``: the batch's sequences one by one."""
         outs, row = [], 0
         for cache, t in batch:
             outs.append(self._run_one(layer, hidden[row : row + t], cache))
@@ -100,7 +103,7 @@ class HFBackendLM:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _run_one(self, layer: int, hidden: torch.Tensor, cache: HFLayerKV) -> torch.Tensor:
-        """``token_ids [T] -> last hidden state [T, H]`` for positions ``[cache.length, +T)``."""
+        """``h_0 [T, H] -> last hidden state [T, H]`` for positions ``[cache.length, +T)``."""
         if layer != 0:
             raise ValueError(f"HFBackendLM has one layer (0), got layer {layer}")
         start = cache.length
@@ -111,7 +114,7 @@ class HFBackendLM:
             )
         positions = torch.arange(start, start + t, device=self.device)  # [T]
         out = self.decoder(
-            input_ids=hidden[None],
+            inputs_embeds=hidden[None],
             position_ids=positions[None],
             cache=cache.cache,
             use_cache=True,

@@ -1,8 +1,14 @@
 """Load a model by registry name, local folder or hub id into a ``LayeredLM``.
 
-    loaded = load_model("qwen2.5-coder-1.5b")          # registry name: prepared on first use
-    loaded = load_model("/path/to/hf_folder")          # config.json + safetensors, or a .gguf
+    settings = dict(dtype="float32", backend="auto", trust_remote_code=False,
+                    packed_weights=None)
+    loaded = load_model("qwen2.5-coder-1.5b", **settings)  # registry name: prepared on first use
+    loaded = load_model("/path/to/hf_folder", **settings)  # config.json + safetensors, or a .gguf
     loaded.lm.head(...), loaded.tokenizer, loaded.info
+
+The settings have no defaults here: a run takes them from its ``model`` config
+(``conf/model/*.yaml``, where a model's settings are declared), and code that loads a model
+without Hydra (scripts, tests) says what it wants.
 
 Models are cached in-process by (name, dtype, backend, packed_weights): two stages naming
 the same model share one instance.  ``backend="auto"`` picks the native layered
@@ -24,7 +30,7 @@ import torch
 
 from specflow.cpu import check_cpu_weights, resolve_dtype
 from specflow.errors import ConfigError, ModelNotFoundError
-from specflow.models.base import LayeredLM, ModelInfo, check_same_tokenizer  # noqa: F401 (re-export)
+from specflow.kv.base import LayeredLM, ModelInfo, check_same_tokenizer  # noqa: F401 (re-export)
 from specflow.models.registry import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -254,25 +260,29 @@ def _make_lm(
 def load_model(
     name_or_path: str,
     *,
-    dtype: str = "float32",
-    backend: str = "auto",
-    trust_remote_code: bool = False,
+    dtype: str,
+    backend: str,
+    trust_remote_code: bool,
+    packed_weights: bool | None,
     cache_dir: str | Path | None = None,
-    packed_weights: bool | None = None,
 ) -> LoadedModel:
     """Load a model as a ``LoadedModel`` (cached in-process by name, dtype and backend).
+
+    The model settings (``dtype``, ``backend``, ``trust_remote_code``, ``packed_weights``)
+    are required: a run passes its ``model`` config's (``conf/model/*.yaml``).
 
     Args:
         name_or_path: a registry name (prepared automatically when its packages are
             installed), a local folder (HF folder with config.json, or a folder / path of a
             .gguf file), or a Hugging Face hub id (only works where the hub is reachable or
             the model is in the local HF cache).
-        dtype: ``float32`` (default), ``bfloat16``, ``float16``, or ``auto``: bfloat16 where
-            this CPU multiplies it natively, else float32 (``specflow.cpu``).
+        dtype: ``float32``, ``bfloat16``, ``float16``, or ``auto``: bfloat16 where this CPU
+            multiplies it natively, else float32 (``specflow.cpu``).
         backend: ``auto`` (native when supported, else HF), ``native`` or ``hf``.
         trust_remote_code: passed to transformers; leave False unless you trust the source.
-        cache_dir: the specflow cache for registry models (default ``$SPECFLOW_CACHE`` or
-            ``~/.cache/specflow``).
+        cache_dir: the specflow cache root for registry models (``None``:
+            ``specflow.cache_root.cache_root()``: the run's ``runner.cache_dir``,
+            ``$SPECFLOW_CACHE`` or ``~/.cache/specflow``).
         packed_weights: native backend: multiply with oneDNN-packed copies of the weights
             (``NativeLM`` doc; faster on CPU, extra memory about the model's size).  ``None``:
             packed wherever this CPU's oneDNN runs the dtype (``specflow.cpu.probe_cpu``),

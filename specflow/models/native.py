@@ -29,19 +29,14 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specflow import cpu
-from specflow.errors import ConfigError, PromptTooLongError
-from specflow.models.attention import KVCache
-from specflow.models.base import LayerBatch, ModelInfo
-
-if TYPE_CHECKING:
-    from specflow.paged.cache import PagedKVCache
+from specflow.errors import ConfigError
+from specflow.kv.base import AttendedKV, KVSpec, ModelInfo
 
 log = logging.getLogger("specflow")
 
@@ -301,31 +296,11 @@ class NativeLM:
         )
 
     # ------------------------------------------------------------------ LayeredLM
-    def new_layer_caches(self, max_len: int) -> list[KVCache]:
-        """One empty ``KVCache`` per layer, holding up to ``max_len`` positions."""
-        if max_len > self.cos.shape[0]:
-            raise PromptTooLongError(
-                f"{self.info.name} has RoPE tables for {self.cos.shape[0]} positions, "
-                f"not {max_len}; lower the context length"
-            )
-        kv = (self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
-        return [KVCache(*kv) for _ in self.layers]
-
-    def new_paged_cache(
-        self, num_blocks: int, block_size: int, attention: str, num_layers: int | None = None
-    ) -> PagedKVCache:
-        """A paged pool for ``num_layers`` (default: all) layers of this model."""
-        from specflow.paged.cache import PagedKVCache
-
-        return PagedKVCache(
-            num_layers or self.info.num_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            dtype=self.dtype,
-            device=self.device,
-            attention=attention,
+    @property
+    def kv(self) -> KVSpec:
+        """Keys/values per layer: ``num_kv_heads x head_dim`` in this model's dtype/device."""
+        return KVSpec(
+            self.info.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
 
     def set_exit_heads(self, heads: dict[int, nn.Module], path: str | None = None) -> None:
@@ -392,14 +367,15 @@ class NativeLM:
 
     @torch.inference_mode()
     def run_layer(
-        self, layer: int, hidden: torch.Tensor, batch: LayerBatch, memo: dict
+        self, layer: int, hidden: torch.Tensor, batch: list[tuple[AttendedKV, int]], memo: dict
     ) -> torch.Tensor:
         """``h_layer [N, H] -> h_{layer+1} [N, H]`` for a ragged batch (``LayeredLM`` doc).
 
         Projections, RoPE and the MLP run on the packed rows (one matmul per weight for the
-        whole batch); keys/values are written and attended by the batch's backend.
+        whole batch); keys/values are written and attended by the batch's backend (its
+        ``AttendedKV``s name it: contiguous, paged or static).
         """
-        attention = batch[0][0].attention  # type: ignore[attr-defined]
+        attention = batch[0][0].attention
         rows = attention.positions(batch, memo)  # [N] positions (a slice for one sequence)
         w = self.layers[layer]
         n = hidden.shape[0]

@@ -13,7 +13,8 @@ Steps (each skipped when its result is already there):
    with a marker file recording the GGUF's sha256.
 
 Later calls find the marker and return the folder at once.  The cache is
-``$SPECFLOW_CACHE`` or ``~/.cache/specflow``.
+``specflow.cache_root.cache_root``: ``--cache-dir`` / ``cache_dir``, else the run's
+``runner.cache_dir``, ``$SPECFLOW_CACHE`` or ``~/.cache/specflow``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from specflow.cache_root import cache_root
 from specflow.errors import ModelNotFoundError, SpecflowError
 from specflow.models.registry import REGISTRY, RegistryEntry, get_entry, pip_install_command
 
@@ -47,15 +49,10 @@ class InsufficientDiskError(SpecflowError, OSError):
     """Not enough free disk in the cache for the conversion."""
 
 
-def default_cache_dir() -> Path:
-    """``$SPECFLOW_CACHE`` or ``~/.cache/specflow``."""
-    env = os.environ.get("SPECFLOW_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specflow"
-
-
 def prepared_dir(name: str, cache_dir: str | Path | None = None) -> Path:
-    """Where model ``name``'s safetensors folder lives (prepared or not)."""
-    return Path(cache_dir or default_cache_dir()).expanduser() / "models" / name
+    """Where model ``name``'s safetensors folder lives (prepared or not), under
+    ``cache_root(cache_dir)``."""
+    return cache_root(cache_dir) / "models" / name
 
 
 def is_prepared(name: str, cache_dir: str | Path | None = None) -> bool:
@@ -220,7 +217,8 @@ def prepare_model(
 
     Args:
         name: a registry name (see ``specflow.models.registry.REGISTRY``).
-        cache_dir: the cache root; default ``$SPECFLOW_CACHE`` or ``~/.cache/specflow``.
+        cache_dir: the cache root; default ``specflow.cache_root.cache_root()`` (the run's
+            ``runner.cache_dir``, ``$SPECFLOW_CACHE`` or ``~/.cache/specflow``).
         progress: show tqdm progress bars while copying/hashing.
         keep_gguf: keep the assembled GGUF in ``<cache>/gguf/`` after conversion
             (it is deleted by default to save disk; package files are never touched).
@@ -230,7 +228,7 @@ def prepare_model(
         ChecksumMismatchError: the assembled GGUF is not the pinned file.
     """
     entry = get_entry(name)
-    cache = Path(cache_dir or default_cache_dir()).expanduser()
+    cache = cache_root(cache_dir)
     out_dir = prepared_dir(name, cache)
     if is_prepared(name, cache):
         log.debug("%s already prepared at %s", name, out_dir)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from specflow.models.base import LayeredLM
+from specflow.errors import ConfigError
+from specflow.kv.base import LayeredLM
 
 
 def as_layered_lm(spec: Any) -> LayeredLM:
-    """Accept a ``LayeredLM``, a ``LoadedModel``, a name/path string, or a mapping of
-    ``load_model`` keyword arguments (``{name: ..., dtype: ..., backend: ...}``)."""
+    """Accept a ``LayeredLM``, a ``LoadedModel``, or a model config: a mapping of
+    ``load_model`` keyword arguments and ``exit_heads`` (``conf/model/*.yaml``: ``{name,
+    dtype, backend, trust_remote_code, packed_weights, exit_heads}``)."""
     if isinstance(spec, LayeredLM):
         return spec
     if hasattr(spec, "lm") and isinstance(spec.lm, LayeredLM):
@@ -18,7 +21,7 @@ def as_layered_lm(spec: Any) -> LayeredLM:
     from specflow.models.loading import load_model
 
     if isinstance(spec, str):
-        return load_model(spec).lm
+        spec = {"name": spec}  # a bare name lacks the settings: refused below, saying so
     if isinstance(spec, Mapping):
         kwargs = dict(spec)
         name = kwargs.pop("name", None) or kwargs.pop("name_or_path", None)
@@ -27,11 +30,28 @@ def as_layered_lm(spec: Any) -> LayeredLM:
             raise ValueError(
                 f"a model config needs a 'name' (registry name, folder or hub id): {spec}"
             )
+        _check_settings(name, kwargs, load_model)
         lm = load_model(name, **kwargs).lm
         if heads:
             attach_exit_heads(lm, name, heads)
         return lm
     raise TypeError(f"cannot make a model out of {type(spec).__name__}: {spec!r}")
+
+
+def _check_settings(name: str, kwargs: Mapping[str, Any], load: Callable[..., Any]) -> None:
+    """Refuse a model config without the settings ``load`` (``load_model``) requires, naming
+    them."""
+    required = [
+        p.name for p in inspect.signature(load).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+    ]
+    missing = [key for key in required if key not in kwargs]
+    if missing:
+        raise ConfigError(
+            f"model {name!r} is given without {', '.join(missing)}: give the whole model "
+            f"config (`model: ${{model}}` for the target, or compose one from conf/model/: "
+            f"`defaults: [/model@<key>: NAME]`), or set them"
+        )
 
 
 def attach_exit_heads(lm: LayeredLM, name: str, heads: str) -> None:

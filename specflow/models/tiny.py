@@ -26,7 +26,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specflow.models.base import ModelInfo
+from specflow.kv.base import ModelInfo
 
 _ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 

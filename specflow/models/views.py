@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.base import LayerBatch, LayeredLM, LayerKV
-
-if TYPE_CHECKING:
-    from specflow.paged.cache import PagedKVCache
+from specflow.kv.base import KVSpec, LayerBatch, LayeredLM, SelfManagedKV
 
 
 class LayerSkipView:
@@ -36,17 +32,16 @@ class LayerSkipView:
         name = f"{model.info.name}[skip {self.skip}]"
         self.info = replace(model.info, name=name, num_layers=len(self.kept))
 
-    def new_layer_caches(self, max_len: int) -> list[LayerKV]:
-        caches = self.model.new_layer_caches(max_len)
-        return [caches[i] for i in self.kept]
-
-    def new_paged_cache(
-        self, num_blocks: int, block_size: int, attention: str, num_layers: int | None = None
-    ) -> PagedKVCache:
-        """A pool with one layer per *kept* layer (the view's own depth)."""
-        return self.model.new_paged_cache(
-            num_blocks, block_size, attention, num_layers or len(self.kept)
-        )
+    @property
+    def kv(self) -> KVSpec:
+        """The model's keys/values for the *kept* layers only (the view's own depth)."""
+        spec = self.model.kv
+        if isinstance(spec, SelfManagedKV):
+            raise ConfigError(
+                f"drafter.skip_layers needs the native backend; {self.model.info.name} keeps "
+                f"its own cache (model.backend=hf)"
+            )
+        return replace(spec, num_layers=len(self.kept))
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LayerSkipView:
         moved = self.model.to(device, dtype)

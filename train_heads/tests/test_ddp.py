@@ -53,24 +53,26 @@ def test_ddp_on_two_cpu_processes_trains_and_only_rank_zero_writes(tmp_path):
     assert "rank 1" not in (run_dir / "report.md").read_text()
 
     # the heads load onto the model and draft like any others: lossless self-speculation
+    from specflow.acceptance import StandardAcceptor
     from specflow.engine import SpeculativePipeline
     from specflow.models.exit_heads import load_and_attach
     from specflow.models.loading import load_model
-    from stages.exact_acceptor import ExactAcceptor
+    from specflow.scheduler import generate
     from stages.full_verifier import FullVerifier
     from stages.model_drafter import ModelDrafter
 
-    loaded = load_model(MODEL)
-    plain = SpeculativePipeline(FullVerifier(loaded.lm), ExactAcceptor())
+    loaded = load_model(MODEL, dtype="float32", backend="auto", trust_remote_code=False,
+                        packed_weights=None)
+    plain = SpeculativePipeline(FullVerifier(loaded.lm), StandardAcceptor())
     prompt = loaded.tokenizer("def fibonacci(n):")["input_ids"]
-    expected = plain.generate(prompt, 16).tokens
+    expected = generate(plain, prompt, 16).tokens
     saved = dict(loaded.lm.exit_heads), loaded.lm.exit_heads_path
     try:
         heads = load_and_attach(loaded.lm, run_dir / "heads.safetensors")
         assert set(heads) == {4, 8}
-        pipe = SpeculativePipeline(FullVerifier(loaded.lm), ExactAcceptor(),
+        pipe = SpeculativePipeline(FullVerifier(loaded.lm), StandardAcceptor(),
                                    drafter=ModelDrafter(loaded.lm, k=3, exit_layer=8))
-        gen = pipe.generate(prompt, 16)
+        gen = generate(pipe, prompt, 16)
         assert gen.tokens == expected and gen.stats.drafted > 0
     finally:
         loaded.lm.set_exit_heads(*saved)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.models.feature_head import read_feature_head_metadata
-from stages.exact_acceptor import ExactAcceptor
+from specflow.scheduler import generate
 from stages.feature_drafter import FeatureDrafter
 from stages.full_verifier import FullVerifier
 
@@ -36,7 +37,8 @@ def test_feature_job_end_to_end(tmp_path):
     from specflow.models.loading import load_model
     from train_heads.train import run
 
-    loaded = load_model("smollm2-135m")
+    loaded = load_model("smollm2-135m", dtype="float32", backend="auto",
+                        trust_remote_code=False, packed_weights=None)
     res = run(_compose(tmp_path), loaded)
     data = res["data"]
     assert data["train_sequences"] == 12 and data["heldout_sequences"] == 3
@@ -52,12 +54,12 @@ def test_feature_job_end_to_end(tmp_path):
     assert len(meta["extra"]["heldout_prompt_ids"]) == 3
     # the drafter loads the installed head and drafts; the output is plain greedy decoding
     lm = loaded.lm
-    plain = SpeculativePipeline(FullVerifier(lm), ExactAcceptor())
-    pipe = SpeculativePipeline(FullVerifier(lm), ExactAcceptor(),
+    plain = SpeculativePipeline(FullVerifier(lm), StandardAcceptor())
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
                                drafter=FeatureDrafter(lm, head=str(installed), k=3))
     prompt = loaded.tokenizer.encode("def fibonacci(n):")
-    gen = pipe.generate(prompt, 16)
-    assert gen.tokens == plain.generate(prompt, 16).tokens and gen.stats.drafted > 0
+    gen = generate(pipe, prompt, 16)
+    assert gen.tokens == generate(plain, prompt, 16).tokens and gen.stats.drafted > 0
     # a rerun skips the data phase: every chunk is loaded, none is built
     res2 = run(_compose(tmp_path, "output.install=false"), loaded)
     assert res2["data"]["train_built_positions"] == 0

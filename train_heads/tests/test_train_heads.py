@@ -12,6 +12,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from specflow.errors import ConfigError  # noqa: E402
+from specflow.kv.contiguous import layer_caches
+from specflow.kv.session import ModelSession  # noqa: E402
 from specflow.models.exit_heads import (  # noqa: E402
     ExitHead,
     attach_heads,
@@ -22,7 +24,6 @@ from specflow.models.exit_heads import (  # noqa: E402
 )
 from specflow.models.loading import LoadedModel  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
-from specflow.models.session import ModelSession  # noqa: E402
 from specflow.models.tiny import tiny_hf_model, tiny_model_info  # noqa: E402
 from train_heads.cache import HiddenCache, build_cache  # noqa: E402
 from train_heads.datamodule import ExitDataModule, RowsDataset  # noqa: E402
@@ -76,7 +77,7 @@ def test_batched_generation_matches_native_greedy_and_hidden_states(tiny):
     for prompt, g in zip(prompts, gens, strict=True):
         assert g.tokens[: len(prompt)] == prompt and g.prompt_len == len(prompt)
         assert g.tokens[len(prompt):] == _session_greedy(lm, prompt, 9)
-        caches = lm.new_layer_caches(64)
+        caches = layer_caches(lm, 64)
         h = lm.embed(torch.tensor(g.tokens[:-1]))
         for layer in range(lm.info.num_layers):
             h = lm.run_layer(layer, h, [(caches[layer], h.shape[0])], {})
@@ -247,6 +248,25 @@ def test_hydra_job_end_to_end(tmp_path):
     # the second run reuses the cached generations and hidden states
     res2 = run(_compose(tmp_path, "layers.exits=[2]", "logger=none"), loaded)
     assert not res2["cache"]["built"] and set(res2["after"]) == {"2"}
+
+
+def test_the_job_gives_the_model_its_heads_back_through_set_exit_heads(tmp_path):
+    """Training replaces the model's heads only for the job; afterwards the heads it had
+    are back with their path, and a copy placed elsewhere carries them (not the job's)."""
+    from train_heads.train import run
+
+    loaded = _model(9)
+    lm = loaded.lm
+    mine = {1: ExitHead(lm.info.hidden_size, "linear", 0, lm.eps, lm.final_norm)}
+    torch.nn.init.normal_(mine[1].proj.weight, std=0.02, generator=torch.Generator().manual_seed(0))
+    attach_heads(lm, mine, path="mine.safetensors")
+    run(_compose(tmp_path, "logger=none", "checkpoint.enabled=false"), loaded)
+    assert lm.exit_heads_path == "mine.safetensors"
+    assert set(lm.exit_heads) == {1} and lm.exit_heads[1] is mine[1]
+    placed = lm.to("cpu", torch.float64)
+    assert set(placed.exit_heads) == {1}
+    for a, b in zip(placed.exit_heads[1].parameters(), mine[1].parameters(), strict=True):
+        assert torch.equal(a, b.to(torch.float64))
 
 
 def test_unknown_logger_and_missing_wandb_are_clear(tmp_path):

@@ -4,10 +4,15 @@ The engine's scheduler owns a ``KVStores``; every request's ``DecodeState`` open
 sessions through it (``DecodeState.session``), so stages never know the layout:
 
 - ``contiguous``: each (request, model) gets preallocated per-layer buffers of its own
-  (``specflow.models.attention.KVCache``): the fast CPU path, any batch size.
+  (``specflow.kv.contiguous.KVCache``): the fast CPU path, any batch size.
 - ``paged``: each model has one pool of fixed-size blocks shared by the batch
-  (``specflow.paged.cache.PagedKVCache``); a request owns a block table, admission control
+  (``specflow.kv.paged.PagedKVCache``); a request owns a block table, admission control
   promises each admitted request its worst-case blocks, and rollback frees whole blocks.
+  With ``decode=static|graphs`` each pool also gets a static step runner
+  (``specflow.kv.static.StaticDecoder``) sized for the pipeline's largest draft.
+
+Every buffer is built from the model's ``KVSpec`` (``LayeredLM.kv``): the stores never
+import a model class.
 
 ``KVStores`` also places the models: with ``device`` / ``dtype`` set, a model is moved once
 (``LayeredLM.to``) and every session of it runs there; stages keep the model they were built
@@ -24,11 +29,11 @@ import torch
 
 from specflow.cpu import DTYPE_NAMES
 from specflow.errors import ConfigError
-from specflow.models.base import LayeredLM
-from specflow.models.session import ModelSession
-from specflow.paged.attention import FLASH_BLOCK_MULTIPLE, select_backend
-from specflow.paged.cache import PagedKVCache
-from specflow.paged.static import MODES, StaticDecoder
+from specflow.kv.base import LayeredLM
+from specflow.kv.kernels import FLASH_BLOCK_MULTIPLE, select_backend
+from specflow.kv.paged import PagedKVCache, paged_pool
+from specflow.kv.session import ModelSession
+from specflow.kv.static import MODES, StaticDecoder
 
 LAYOUTS = ("contiguous", "paged")
 
@@ -58,8 +63,7 @@ class KVLayout:
         block_size: paged block size (``None``: 16, or 256 with flash).
         decode: paged decode/verify steps: ``eager``; ``static`` (fixed shapes, run eagerly:
             the CPU check of the graph path); ``graphs`` (fixed shapes replayed as CUDA
-            graphs, ``specflow.paged.static``).
-        max_rows: the most query rows per sequence a static step takes (``k_max + 1``).
+            graphs, ``specflow.kv.static``).
     """
 
     kind: str = "contiguous"
@@ -68,7 +72,6 @@ class KVLayout:
     attention: str = "auto"
     block_size: int | None = None
     decode: str = "eager"
-    max_rows: int = 16
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUTS:
@@ -90,14 +93,21 @@ class KVStores:
         layout: contiguous or paged, device, dtype, kernel.
         max_seqs: paged: how many sequences the pools must hold at once.
         max_context: paged: the longest sequence (positions) the pools are sized for.
+        max_draft: the most draft tokens one round verifies (the pipeline's cap): a
+            static step takes up to ``max_draft + 1`` query rows per sequence.
     """
 
     def __init__(
-        self, layout: KVLayout | None = None, max_seqs: int = 1, max_context: int = 2048
+        self,
+        layout: KVLayout | None = None,
+        max_seqs: int = 1,
+        max_context: int = 2048,
+        max_draft: int = 0,
     ) -> None:
         self.layout = layout or KVLayout()
         self.max_seqs = max_seqs
         self.max_context = max_context
+        self.max_draft = max_draft
         self._placed: dict[int, tuple[LayeredLM, LayeredLM]] = {}  # id(lm) -> (lm, placed)
         self._pools: dict[int, PagedKVCache] = {}  # id(lm) -> its pool (paged)
         self._static: dict[int, StaticDecoder] = {}  # id(lm) -> its static steps
@@ -125,7 +135,8 @@ class KVStores:
                 pool = self._pools[id(lm)] = self._new_pool(placed)
                 if self.layout.decode != "eager":
                     graphs = self.layout.decode == "graphs"
-                    self._static[id(lm)] = StaticDecoder(placed, pool, self.layout.max_rows, graphs)
+                    rows = self.max_draft + 1
+                    self._static[id(lm)] = StaticDecoder(placed, pool, rows, graphs)
 
     def _new_pool(self, placed: LayeredLM) -> PagedKVCache:
         kernel, _ = select_backend(self.layout.attention, placed.device, placed.dtype)
@@ -136,7 +147,7 @@ class KVStores:
                 f"runner.block_size={bs} must be a multiple of {multiple} for attention={kernel}"
             )
         per_sequence = math.ceil(self.max_context / bs)
-        pool = placed.new_paged_cache(self.max_seqs * per_sequence, bs, self.layout.attention)
+        pool = paged_pool(placed, self.max_seqs * per_sequence, bs, self.layout.attention)
         pool.max_blocks_per_sequence = per_sequence
         return pool
 
@@ -157,14 +168,15 @@ class KVStores:
         """A session of ``lm`` for sequence ``seq_id`` (``release()`` frees its storage)."""
         placed = self.place(lm)
         if self.layout.kind == "contiguous":
-            return ModelSession(placed, max_len)
+            return ModelSession(placed, max_len, seq_id=seq_id)
         pool = self._pools.get(id(lm))
         if pool is None:
             self.register([lm])
             pool = self._pools[id(lm)]
         caches = pool.add_sequence(seq_id, max_len)
         release = lambda: pool.remove_sequence(seq_id)  # noqa: E731
-        return ModelSession(placed, max_len, caches, release, self._static.get(id(lm)))
+        static = self._static.get(id(lm))
+        return ModelSession(placed, max_len, caches, release, static, seq_id)
 
     def report(self) -> dict:
         """Which kernels ran and what the static path did (for the run's summary)."""

@@ -6,7 +6,7 @@
 - ``attention``: the kernels (``sdpa_paged``, ``flash_paged``), ``select_backend`` and
   ``PagedAttention``, the model's attention backend over a pool.
 
-Sessions over a pool are ordinary ``specflow.models.session.ModelSession``s (opened by
-``specflow.models.stores.KVStores``); the engine and the decoder layer are the same for
+Sessions over a pool are ordinary ``specflow.kv.session.ModelSession``s (opened by
+``specflow.kv.stores.KVStores``); the engine and the decoder layer are the same for
 every KV layout and batch size.
 """

@@ -1,48 +1,32 @@
-"""Attention backends: where a layer's keys/values live and how a ragged batch attends to them.
+"""Contiguous KV: one preallocated buffer per (sequence, layer), the fast CPU path.
 
 A model's decoder layer (``NativeLM.run_layer``) is one function for every batch size and KV
 layout.  It computes q/k/v for the packed rows of a ragged batch (``[N, ...]``, sequence
-after sequence) and hands them to the backend named by the batch's ``LayerKV``s:
+after sequence) and hands them to the backend named by the batch's ``AttendedKV``s
+(``specflow.kv.base.AttentionBackend``):
 
 - ``ContiguousAttention`` (here): one preallocated ``KVCache`` per (sequence, layer); each
   sequence attends to its own buffer with two ``bmm``s (the fast CPU batch-1 path).
-- ``specflow.paged.attention.PagedAttention``: blocks of a shared pool + block tables
-  (SDPA over the gathered blocks, or ``flash_attn_with_kvcache``).
+- ``specflow.kv.paged.PagedAttention``: blocks of a shared pool + block tables.
 
-Backend contract, for a batch ``[(kv_i, t_i)]`` of one layer:
-  ``positions(batch, memo)``: the absolute positions of the packed rows (``[N]`` or a slice);
-  ``attend(q [N, NH, D], k [N, KH, D], v [N, KH, D], batch, scale, memo)``: write the new
-  keys/values (RoPE already applied), advance every ``kv_i.length`` by ``t_i``, and return
-  ``[N, NH, D]`` with *lower-right aligned* causal attention: query ``s_i + j`` sees keys
-  ``<= s_i + j`` of its own sequence.
+``layer_caches(lm, max_len)`` builds one sequence's caches from the model's ``KVSpec`` (or
+asks a model that keeps its own cache for them).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from specflow.errors import PromptTooLongError
-from specflow.models.base import LayerBatch
+from specflow.kv.base import KVSpec, LayeredLM, LayerKV, SelfManagedKV
 
 
-class AttentionBackend(Protocol):
-    """How one layer's ragged batch writes and reads its keys/values (module doc)."""
-
-    name: str
-
-    def positions(self, batch: LayerBatch, memo: dict) -> slice | torch.Tensor: ...
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        batch: LayerBatch,
-        scale: float,
-        memo: dict,
-    ) -> torch.Tensor: ...
+def layer_caches(lm: LayeredLM, max_len: int, seq_id: int = 0) -> list[LayerKV]:
+    """One empty contiguous cache per layer of ``lm`` for ``max_len`` positions."""
+    spec = lm.kv
+    if isinstance(spec, SelfManagedKV):
+        return spec.new_caches(max_len)
+    return [KVCache(spec, max_len, layer, seq_id) for layer in range(spec.num_layers)]
 
 
 class KVCache:
@@ -50,16 +34,18 @@ class KVCache:
 
     ``k``, ``v``: ``[kv_heads, max_len, head_dim]``; RoPE is already applied to ``k``.
     ``truncate`` only lowers ``length``; stale rows beyond it are overwritten on the next write.
+    An ``AttendedKV`` whose backend is ``CONTIGUOUS``.
     """
 
-    def __init__(
-        self, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device
-    ) -> None:
-        self.k = torch.zeros(kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(kv_heads, max_len, head_dim, dtype=dtype, device=device)
+    def __init__(self, spec: KVSpec, max_len: int, layer: int = 0, seq_id: int = 0) -> None:
+        shape = (spec.kv_heads, max_len, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)  # [KH, L, D]
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)  # [KH, L, D]
         self.max_len = max_len
         self.length = 0
-        self.attention: AttentionBackend = CONTIGUOUS
+        self.layer = layer
+        self.seq_id = seq_id
+        self.attention = CONTIGUOUS
 
     def truncate(self, n: int) -> None:
         """Forget positions ``>= n`` (no-op when ``n >= length``)."""
@@ -78,14 +64,14 @@ class ContiguousAttention:
 
     name = "contiguous"
 
-    def positions(self, batch: LayerBatch, memo: dict) -> slice | torch.Tensor:
+    def positions(self, batch: list[tuple[KVCache, int]], memo: dict) -> slice | torch.Tensor:
         if len(batch) == 1:
             kv, t = batch[0]
             return slice(kv.length, kv.length + t)
         key = ("positions", tuple((kv.length, t) for kv, t in batch))
         hit = memo.get(key)
         if hit is None:
-            device = batch[0][0].k.device  # type: ignore[attr-defined]
+            device = batch[0][0].k.device
             hit = torch.cat([torch.arange(kv.length, kv.length + t) for kv, t in batch])
             hit = memo[key] = hit.to(device)
         return hit
@@ -95,16 +81,16 @@ class ContiguousAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        batch: LayerBatch,
+        batch: list[tuple[KVCache, int]],
         scale: float,
         memo: dict,
     ) -> torch.Tensor:
         if len(batch) == 1:
-            return self._one(q, k, v, batch[0][0], scale, memo)  # type: ignore[arg-type]
+            return self._one(q, k, v, batch[0][0], scale, memo)
         outs, row = [], 0
         for kv, t in batch:
             rows = slice(row, row + t)
-            outs.append(self._one(q[rows], k[rows], v[rows], kv, scale, memo))  # type: ignore[arg-type]
+            outs.append(self._one(q[rows], k[rows], v[rows], kv, scale, memo))
             row += t
         return torch.cat(outs)  # [N, NH, D]
 

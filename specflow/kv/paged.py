@@ -11,8 +11,9 @@ without a copy; the SDPA backend gathers through the block table.
 
 A sequence owns a list of blocks shared by all layers (position ``p`` lives in block
 ``blocks[p // block_size]`` at offset ``p % block_size``, in every layer) and one length per
-layer, so the layered bookkeeping of ``specflow.models.session`` works per sequence:
-``PagedLayerKV`` is the ``LayerKV`` of one (sequence, layer).
+layer, so the layered bookkeeping of ``specflow.kv.session`` works per sequence:
+``PagedLayerKV`` is the ``AttendedKV`` of one (sequence, layer), and ``PagedAttention`` its
+attention backend (the kernels are ``specflow.kv.kernels``).
 
 Invariants:
     * a block is either free or owned by exactly one sequence (``check_no_leaks``);
@@ -31,7 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specflow.errors import SpecflowError
+from specflow.errors import ConfigError, PromptTooLongError, SpecflowError
+from specflow.kv.base import KVSpec, LayeredLM, SelfManagedKV
+from specflow.kv.kernels import FLASH_BLOCK_MULTIPLE, AttnBatch, causal_prefill, select_backend
 
 
 class CacheFullError(SpecflowError):
@@ -123,36 +126,30 @@ class PagedKVCache:
 
     def __init__(
         self,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
+        spec: KVSpec,
         *,
         num_blocks: int,
         block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
         attention: str = "auto",
         max_blocks_per_sequence: int | None = None,
     ) -> None:
-        from specflow.paged.attention import PagedAttention
-
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.num_layers = num_layers
+        num_layers = self.num_layers = spec.num_layers
         self.block_size = block_size
         # One block past the allocator's: a scratch block that padding rows of static
         # (fixed-shape, CUDA-graph) forwards write to and read from; never handed out.
         self.null_block = num_blocks
         # The most blocks one sequence may hold (the fixed block-table width of static steps).
         self.max_blocks_per_sequence = max_blocks_per_sequence or num_blocks
-        shape = (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [NL, NB, BS, KH, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [NL, NB, BS, KH, D]
+        shape = (num_layers, num_blocks + 1, block_size, spec.kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)  # [NL, NB, BS, KH, D]
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)  # [NL, NB, BS, KH, D]
         self.allocator = BlockAllocator(num_blocks)
         self.seqs: dict[int, SequenceBlocks] = {}
         # How this pool's keys are read (SDPA over gathered blocks, or flash); its kernel
         # may need block sizes of a multiple (flash: 256).
-        self.attention = PagedAttention(self, attention, torch.device(device), dtype)
+        self.attention = PagedAttention(self, attention, torch.device(spec.device), spec.dtype)
 
     # ---------------------------------------------------------------- sequences
     def blocks_for(self, length: int) -> int:
@@ -245,7 +242,7 @@ class PagedKVCache:
 
 
 class PagedLayerKV:
-    """The ``LayerKV`` of one (sequence, layer) of a ``PagedKVCache``."""
+    """The ``AttendedKV`` of one (sequence, layer) of a ``PagedKVCache``."""
 
     def __init__(self, cache: PagedKVCache, seq_id: int, layer: int) -> None:
         self.cache = cache
@@ -264,3 +261,99 @@ class PagedLayerKV:
     def truncate(self, n: int) -> None:
         """Forget positions ``>= n`` (no-op when ``n >= length``); frees whole blocks."""
         self.cache.truncate(self.seq_id, self.layer, n)
+
+
+class PagedAttention:
+    """The attention backend of one ``PagedKVCache`` (module doc).
+
+    Per forward, the addressing of a batch (positions, slots, block table, padding) is
+    computed once and shared by every layer through ``memo``.
+    """
+
+    def __init__(
+        self, cache: PagedKVCache, attention: str, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.cache = cache
+        self.device = device
+        self.name, self.kernel = select_backend(attention, device, dtype)
+        self.used: set[str] = set()  # the kernels that ran (for the run's summary)
+        if cache.block_size % self.min_block_size:
+            raise ConfigError(
+                f"KV block size {cache.block_size} must be a multiple of {self.min_block_size} "
+                f"for attention={self.name}"
+            )
+
+    @property
+    def min_block_size(self) -> int:
+        return FLASH_BLOCK_MULTIPLE if self.name == "flash" else 1
+
+    def _meta(
+        self, batch: list[tuple[PagedLayerKV, int]], memo: dict
+    ) -> tuple[torch.Tensor, torch.Tensor, AttnBatch]:
+        """``(positions [N], slots [N], AttnBatch)`` of the batch's new positions."""
+        key = ("paged", tuple((kv.seq_id, kv.length, t) for kv, t in batch))
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        cache = self.cache
+        positions: list[int] = []
+        slots: list[int] = []
+        for kv, t in batch:
+            s = kv.length
+            if s + t > kv.max_len:
+                raise PromptTooLongError(
+                    f"position {s + t} is beyond this sequence's {kv.max_len} positions"
+                )
+            cache.reserve(kv.seq_id, s + t)
+            positions.extend(range(s, s + t))
+            slots.extend(cache.slots(kv.seq_id, s, s + t))
+        table = cache.block_table([kv.seq_id for kv, _ in batch], self.device)
+        attn = AttnBatch.build(
+            [t for _, t in batch], [kv.length + t for kv, t in batch], table, self.device
+        )
+        hit = memo[key] = (
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            torch.tensor(slots, dtype=torch.long, device=self.device),
+            attn,
+        )
+        return hit
+
+    def positions(self, batch: list[tuple[PagedLayerKV, int]], memo: dict) -> torch.Tensor:
+        return self._meta(batch, memo)[0]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: list[tuple[PagedLayerKV, int]],
+        scale: float,
+        memo: dict,
+    ) -> torch.Tensor:
+        """Scatter ``k, v [N, KH, D]`` into the pool, then ``q [N, NH, D] -> [N, NH, D]``.
+
+        A fresh prefill (no sequence has cached keys) attends to the new rows directly with
+        ``causal_prefill``; anything else reads the pool with the selected kernel.
+        """
+        fresh = all(kv.length == 0 for kv, _ in batch)
+        _, slots, attn = self._meta(batch, memo)
+        layer = batch[0][0].layer
+        kh, d = k.shape[1], k.shape[2]
+        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # [NB, BS, KH, D]
+        k_pool.view(-1, kh, d).index_copy_(0, slots, k)
+        v_pool.view(-1, kh, d).index_copy_(0, slots, v)
+        for kv, t in batch:
+            self.cache.set_length(kv.seq_id, layer, kv.length + t)
+        if fresh:
+            self.used.add("sdpa_causal_prefill")
+            return causal_prefill(q, k, v, [t for _, t in batch], scale)
+        self.used.add(f"{self.name}_paged")
+        return self.kernel(q, k_pool, v_pool, attn, scale)
+
+
+def paged_pool(lm: LayeredLM, num_blocks: int, block_size: int, attention: str) -> PagedKVCache:
+    """A paged pool for ``lm``'s layers (``ConfigError`` if the model keeps its own cache)."""
+    spec = lm.kv
+    if isinstance(spec, SelfManagedKV):
+        raise ConfigError(spec.why_not_paged)
+    return PagedKVCache(spec, num_blocks=num_blocks, block_size=block_size, attention=attention)

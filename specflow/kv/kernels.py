@@ -14,7 +14,7 @@ is negative; SDPA would give NaN for a fully masked row, so the bound is clamped
 wrong whenever the query block is shorter than the keys.
 
 ``PagedAttention`` is the model's attention backend for a ``PagedKVCache`` (see
-``specflow.models.attention``): it scatters the new keys/values into the pool by slot id
+``specflow.kv.contiguous``): it scatters the new keys/values into the pool by slot id
 and runs the selected kernel; both kernels expect the new keys/values already written.
 """
 
@@ -24,16 +24,11 @@ import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from specflow.errors import ConfigError, PromptTooLongError
-
-if TYPE_CHECKING:
-    from specflow.models.base import LayerBatch
-    from specflow.paged.cache import PagedKVCache
+from specflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +102,33 @@ def causal_mask(batch: AttnBatch) -> torch.Tensor:
     return keys[None, None, :] <= bound.clamp_min(0)[:, :, None]
 
 
-def gather_kv(pool: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
-    """``pool [NB, BS, KH, D]`` -> ``[B, KH, max_kv, D]`` through the block table."""
-    bs = pool.shape[1]
-    need = -(-batch.max_kv // bs)
-    table = batch.block_table[:, :need].long()  # [B, need]
-    blocks = pool[table]  # [B, need, BS, KH, D]
-    flat = blocks.view(batch.batch, need * bs, *pool.shape[2:])[:, : batch.max_kv]
-    return flat.transpose(1, 2)  # [B, KH, max_kv, D]
+def paged_sdpa(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The paged SDPA kernel: ``q [B, T, NH, D]`` -> ``[B, T, NH, D]``.
+
+    ``table [B, W]`` block ids, ``visible [B, T, L]`` bool (key ``j`` visible to query row
+    ``t``; ``L <= W * BS``).  Keys are gathered through the first ``ceil(L / BS)`` blocks of
+    each table row and cut at ``L``; GQA folds the ``r = NH / KH`` query heads of a KV group
+    into the query axis (``[B, KH, r*T, D]``), so K/V are never repeated.
+    """
+    b, t, nh, d = q.shape
+    bs, kh = k_pool.shape[1], k_pool.shape[2]
+    r = nh // kh
+    length = visible.shape[-1]
+    need = -(-length // bs)
+    blocks = table[:, :need].long()  # [B, need]
+    keys = k_pool[blocks].view(b, need * bs, kh, d)[:, :length].transpose(1, 2)  # [B, KH, L, D]
+    values = v_pool[blocks].view(b, need * bs, kh, d)[:, :length].transpose(1, 2)
+    qf = q.view(b, t, kh, r, d).permute(0, 2, 3, 1, 4).reshape(b, kh, r * t, d)
+    mask = visible[:, None, None].expand(b, 1, r, t, length).reshape(b, 1, r * t, length)
+    out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scale)
+    return out.view(b, kh, r, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh, d)
 
 
 def sdpa_paged(
@@ -124,24 +138,10 @@ def sdpa_paged(
     batch: AttnBatch,
     scale: float,
 ) -> torch.Tensor:
-    """``q [N, NH, D]`` packed -> ``[N, NH, D]`` with ``scaled_dot_product_attention``.
-
-    GQA: the ``r = NH / KH`` query heads of a KV group are folded into the query axis
-    (``[B, KH, r*T, D]``), so K/V are never repeated.
-    """
-    b, t = batch.batch, batch.t_max
-    nh, d = q.shape[1], q.shape[2]
-    kh = k_pool.shape[2]
-    r = nh // kh
-    qp = batch.pad(q)  # [B, T, NH, D]
-    qf = qp.view(b, t, kh, r, d).permute(0, 2, 3, 1, 4).reshape(b, kh, r * t, d)
-    keys = gather_kv(k_pool, batch)  # [B, KH, L, D]
-    values = gather_kv(v_pool, batch)  # [B, KH, L, D]
-    mask = causal_mask(batch)  # [B, T, L]
-    mask = mask[:, None, None].expand(b, 1, r, t, batch.max_kv).reshape(b, 1, r * t, -1)
-    out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scale)
-    out = out.view(b, kh, r, t, d).permute(0, 3, 1, 2, 4)  # [B, T, KH, r, D]
-    return batch.unpad(out.reshape(b, t, nh, d))
+    """``q [N, NH, D]`` packed -> ``[N, NH, D]``: ``paged_sdpa`` over the left-padded batch
+    with the lower-right causal mask of the module doc."""
+    out = paged_sdpa(batch.pad(q), k_pool, v_pool, batch.block_table, causal_mask(batch), scale)
+    return batch.unpad(out)
 
 
 def flash_available() -> bool:
@@ -204,92 +204,6 @@ def select_backend(
         raise ConfigError(f"runner.attention=flash is unavailable: {why}; use sdpa or auto")
     log.info("attention: flash unavailable (%s); using sdpa", why)
     return "sdpa", sdpa_paged
-
-
-class PagedAttention:
-    """The attention backend of one ``PagedKVCache`` (module doc).
-
-    Per forward, the addressing of a batch (positions, slots, block table, padding) is
-    computed once and shared by every layer through ``memo``.
-    """
-
-    def __init__(
-        self, cache: PagedKVCache, attention: str, device: torch.device, dtype: torch.dtype
-    ) -> None:
-        self.cache = cache
-        self.device = device
-        self.name, self.kernel = select_backend(attention, device, dtype)
-        self.used: set[str] = set()  # the kernels that ran (for the run's summary)
-        if cache.block_size % self.min_block_size:
-            raise ConfigError(
-                f"KV block size {cache.block_size} must be a multiple of {self.min_block_size} "
-                f"for attention={self.name}"
-            )
-
-    @property
-    def min_block_size(self) -> int:
-        return FLASH_BLOCK_MULTIPLE if self.name == "flash" else 1
-
-    def _meta(self, batch: LayerBatch, memo: dict) -> tuple[torch.Tensor, torch.Tensor, AttnBatch]:
-        """``(positions [N], slots [N], AttnBatch)`` of the batch's new positions."""
-        key = ("paged", tuple((kv.seq_id, kv.length, t) for kv, t in batch))  # type: ignore[attr-defined]
-        hit = memo.get(key)
-        if hit is not None:
-            return hit
-        cache = self.cache
-        positions: list[int] = []
-        slots: list[int] = []
-        for kv, t in batch:
-            s = kv.length
-            if s + t > kv.max_len:  # type: ignore[attr-defined]
-                raise PromptTooLongError(
-                    f"position {s + t} is beyond this sequence's {kv.max_len} positions"  # type: ignore[attr-defined]
-                )
-            cache.reserve(kv.seq_id, s + t)  # type: ignore[attr-defined]
-            positions.extend(range(s, s + t))
-            slots.extend(cache.slots(kv.seq_id, s, s + t))  # type: ignore[attr-defined]
-        table = cache.block_table([kv.seq_id for kv, _ in batch], self.device)  # type: ignore[attr-defined]
-        attn = AttnBatch.build(
-            [t for _, t in batch], [kv.length + t for kv, t in batch], table, self.device
-        )
-        hit = memo[key] = (
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            torch.tensor(slots, dtype=torch.long, device=self.device),
-            attn,
-        )
-        return hit
-
-    def positions(self, batch: LayerBatch, memo: dict) -> torch.Tensor:
-        return self._meta(batch, memo)[0]
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        batch: LayerBatch,
-        scale: float,
-        memo: dict,
-    ) -> torch.Tensor:
-        """Scatter ``k, v [N, KH, D]`` into the pool, then ``q [N, NH, D] -> [N, NH, D]``.
-
-        A fresh prefill (no sequence has cached keys) attends to the new rows directly with
-        ``causal_prefill``; anything else reads the pool with the selected kernel.
-        """
-        fresh = all(kv.length == 0 for kv, _ in batch)
-        _, slots, attn = self._meta(batch, memo)
-        layer = batch[0][0].layer  # type: ignore[attr-defined]
-        kh, d = k.shape[1], k.shape[2]
-        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # [NB, BS, KH, D]
-        k_pool.view(-1, kh, d).index_copy_(0, slots, k)
-        v_pool.view(-1, kh, d).index_copy_(0, slots, v)
-        for kv, t in batch:
-            self.cache.set_length(kv.seq_id, layer, kv.length + t)  # type: ignore[attr-defined]
-        if fresh:
-            self.used.add("sdpa_causal_prefill")
-            return causal_prefill(q, k, v, [t for _, t in batch], scale)
-        self.used.add(f"{self.name}_paged")
-        return self.kernel(q, k_pool, v_pool, attn, scale)
 
 
 def causal_prefill(

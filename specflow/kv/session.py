@@ -17,8 +17,9 @@ common prefix of every layer's cache and of the kept hidden states and drops the
 A drafter whose model was idle while tokens were committed catches up lazily the same way.
 
 A session does not care where its keys/values live: its per-layer ``LayerKV``s come from a
-KV store (``specflow.models.stores``): contiguous buffers of its own, or a sequence of a paged
-pool shared with other requests.  ``forward_hidden`` / ``forward_logits`` answer the question
+KV store (``specflow.kv.stores``): contiguous buffers of its own, or a sequence of a paged
+pool shared with other requests (whose full forwards may take the static path, a
+``StaticPath``).  ``forward_hidden`` / ``forward_logits`` answer the question
 for many sessions of one model at once, one batched ``run_layer`` per layer: a batch of
 sequences is the one code path, and ``ModelSession.hidden`` is a batch of one.
 """
@@ -26,15 +27,12 @@ sequences is the one code path, and ``ModelSession.hidden`` is a batch of one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from specflow.errors import PromptTooLongError
-from specflow.models.base import LayeredLM, LayerKV
-
-if TYPE_CHECKING:
-    from specflow.paged.static import StaticDecoder
+from specflow.kv.base import LayeredLM, LayerKV, StaticPath
+from specflow.kv.contiguous import layer_caches
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -57,6 +55,7 @@ class ModelSession:
         caches: one ``LayerKV`` per decoder layer (default: contiguous ones of the model).
         release: frees the caches' storage (a paged sequence's blocks) when the request ends.
         static: the model's static (CUDA-graph) step runner, for full forwards that fit it.
+        seq_id: the sequence id of the caches (a paged sequence's block table).
     """
 
     def __init__(
@@ -65,7 +64,8 @@ class ModelSession:
         max_len: int,
         caches: list[LayerKV] | None = None,
         release: Callable[[], None] | None = None,
-        static: StaticDecoder | None = None,
+        static: StaticPath | None = None,
+        seq_id: int = 0,
     ) -> None:
         if max_len > model.info.max_positions:
             raise PromptTooLongError(
@@ -75,8 +75,9 @@ class ModelSession:
         self.model = model
         self.max_len = max_len
         self.tokens: list[int] = []
+        self.seq_id = seq_id
         self.caches: list[LayerKV] = (
-            caches if caches is not None else model.new_layer_caches(max_len)
+            caches if caches is not None else layer_caches(model, max_len, seq_id)
         )
         self._release = release
         self.static = static
@@ -317,23 +318,41 @@ def forward_logits(queries: list[Query]) -> list[torch.Tensor]:
     if not queries:
         return []
     static = queries[0][0].static
-    if static is not None and static.accepts(queries):
-        return _to_cpu(static.logits(queries))
+    if static is not None:
+        done = _static_forward(static, queries)
+        if done is not None:
+            return _to_cpu(done)
     rows = forward_exit_hidden(queries)
     model = queries[0][0].model
     if len(queries) == 1:
-        out = [model.head(rows[0], queries[0][1])]
-    else:
-        out = [None] * len(queries)
-        for exit_layer in sorted({q[1] for q in queries}):
-            idx = [i for i, q in enumerate(queries) if q[1] == exit_layer]
-            logits = model.head(torch.cat([rows[i] for i in idx]), exit_layer)  # [R, V]
-            row = 0
-            for i in idx:
-                n = rows[i].shape[0]
-                out[i] = logits[row : row + n]
-                row += n
-    return _to_cpu(out)  # type: ignore[arg-type]
+        return _to_cpu([model.head(rows[0], queries[0][1])])
+    by_query: dict[int, torch.Tensor] = {}
+    for exit_layer in sorted({q[1] for q in queries}):
+        idx = [i for i, q in enumerate(queries) if q[1] == exit_layer]
+        logits = model.head(torch.cat([rows[i] for i in idx]), exit_layer)  # [R, V]
+        row = 0
+        for i in idx:
+            n = rows[i].shape[0]
+            by_query[i] = logits[row : row + n]
+            row += n
+    return _to_cpu([by_query[i] for i in range(len(queries))])
+
+
+def _static_forward(static: StaticPath, queries: list[Query]) -> list[torch.Tensor] | None:
+    """Logits per query from the static path, or ``None`` (run eagerly).  Only a full forward
+    fits it: every query asks the last exit for positions ``[start, end)`` with every layer
+    at ``start`` (no partial layers pending)."""
+    for sess, exit_layer, start, _ in queries:
+        depth = sess.num_layers
+        if exit_layer != depth or any(sess.computed(layer) != start for layer in range(depth)):
+            static.note_eager()
+            return None
+    out = static.run([(s.seq_id, s.tokens[start:end], start) for s, _, start, end in queries])
+    if out is None:
+        return None
+    for (sess, _, start, _), (hidden, _) in zip(queries, out, strict=True):
+        sess.record_full_forward(start, hidden)
+    return [logits for _, logits in out]
 
 
 def _to_cpu(out: list[torch.Tensor]) -> list[torch.Tensor]:

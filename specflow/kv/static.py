@@ -12,31 +12,30 @@ and write only the pool's scratch block (``PagedKVCache.null_block``).
 Everything the step reads sits in static buffers filled before each replay (token ids,
 positions, slots, block table: four host-to-device copies); nothing in it depends on a
 Python number taken from the data, so the same code runs eagerly on the CPU (tests) and
-is captured on CUDA.  Attention is ``static_paged``: SDPA over the fixed-width gather of
-each sequence's blocks with a mask from the query positions (key ``j`` visible to a query
-at position ``p`` iff ``j <= p``), so a sequence never sees another's keys or its own
-future.  The decoder layer is the model's one ``run_layer``: only its attention backend is
-the static one.
+is captured on CUDA.  Attention is the one paged kernel (``specflow.kv.kernels.paged_sdpa``)
+over the fixed-width gather of each sequence's blocks with a mask from the query positions
+(key ``j`` visible to a query at position ``p`` iff ``j <= p``), so a sequence never sees
+another's keys or its own future.  The decoder layer is the model's one ``run_layer``: only
+its attention backend is the static one.
 
 A step takes the static path only when it is a full forward from layer 0 to the last
 exit for every sequence with no partial layers pending (plain decoding, and verification
-by a target whose session no early-exit stage shares) and fits the buckets; anything else
-(prefill, early exits, HiSpec) runs eagerly.
+by a target whose session no early-exit stage shares: the session checks that,
+``specflow.kv.session.forward_logits``) and fits the buckets and ``max_rows`` (checked here);
+anything else (prefill, early exits, HiSpec) runs eagerly.  ``StaticDecoder`` is the
+``specflow.kv.base.StaticPath`` a paged session holds.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from specflow.models.base import LayerBatch, LayeredLM
-    from specflow.models.session import ModelSession
-    from specflow.paged.cache import PagedKVCache
+from specflow.kv.base import LayeredLM, StaticRow
+from specflow.kv.kernels import paged_sdpa
+from specflow.kv.paged import PagedKVCache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 MODES = ("eager", "static", "graphs")  # eager: no static path; static: eager replays (CPU)
@@ -45,35 +44,6 @@ MODES = ("eager", "static", "graphs")  # eager: no static path; static: eager re
 def bucket_for(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int | None:
     """The smallest bucket holding ``n`` sequences (``None``: more than the largest)."""
     return next((b for b in buckets if b >= n), None)
-
-
-def static_paged(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    table: torch.Tensor,
-    positions: torch.Tensor,
-    key_positions: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of fixed shape: ``q [B, T, NH, D]`` -> ``[B, T, NH, D]``.
-
-    ``table [B, W]`` block ids, ``positions [B, T]`` each query's absolute position,
-    ``key_positions [W * BS]`` = ``0 .. W*BS-1``.  Keys are gathered through the whole table
-    (fixed width) and masked by position; GQA folds the ``r = NH / KH`` heads of a KV group
-    into the query axis (``[B, KH, r*T, D]``), so K/V are never repeated.
-    """
-    b, t, nh, d = q.shape
-    bs, kh = k_pool.shape[1], k_pool.shape[2]
-    r = nh // kh
-    length = table.shape[1] * bs
-    keys = k_pool[table].view(b, length, kh, d).transpose(1, 2)  # [B, KH, L, D]
-    values = v_pool[table].view(b, length, kh, d).transpose(1, 2)  # [B, KH, L, D]
-    qf = q.view(b, t, kh, r, d).permute(0, 2, 3, 1, 4).reshape(b, kh, r * t, d)
-    mask = key_positions[None, None, :] <= positions[:, :, None]  # [B, T, L]
-    mask = mask[:, None, None].expand(b, 1, r, t, length).reshape(b, 1, r * t, length)
-    out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scale)
-    return out.view(b, kh, r, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh, d)
 
 
 @dataclass
@@ -87,13 +57,17 @@ class StaticStats:
 
 
 class _StaticLayer:
-    """What ``run_layer`` sees as a layer's KV on the static path: the layer index and the
-    static backend (the real per-sequence bookkeeping is done around the replay)."""
+    """What ``run_layer`` sees as a layer's KV on the static path (an ``AttendedKV``): the
+    layer index and the static backend; the real per-sequence bookkeeping is done around the
+    replay, so ``length`` stays 0 and the buffers hold the positions."""
 
-    def __init__(self, layer: int, attention: StaticAttention) -> None:
+    seq_id = -1  # the rows of every sequence of the step
+
+    def __init__(self, layer: int, attention: StaticAttention, max_len: int) -> None:
         self.layer = layer
         self.attention = attention
         self.length = 0
+        self.max_len = max_len
 
     def truncate(self, n: int) -> None:  # pragma: no cover - never part of a session
         raise TypeError("a static layer belongs to no session")
@@ -101,7 +75,7 @@ class _StaticLayer:
 
 class StaticAttention:
     """The attention backend of one static shape: writes k/v at the slot buffer, attends
-    with ``static_paged`` (module doc)."""
+    with ``paged_sdpa`` masked by position (module doc)."""
 
     name = "static_sdpa"
 
@@ -109,7 +83,7 @@ class StaticAttention:
         self.pool = pool
         self.buffers = buffers
 
-    def positions(self, batch: LayerBatch, memo: dict) -> torch.Tensor:
+    def positions(self, batch: list[tuple[_StaticLayer, int]], memo: dict) -> torch.Tensor:
         return self.buffers.positions  # [B*T]
 
     def attend(
@@ -117,26 +91,20 @@ class StaticAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        batch: LayerBatch,
+        batch: list[tuple[_StaticLayer, int]],
         scale: float,
         memo: dict,
     ) -> torch.Tensor:
         buf = self.buffers
-        layer = batch[0][0].layer  # type: ignore[attr-defined]
+        layer = batch[0][0].layer
         kh, d = k.shape[1], k.shape[2]
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]  # [NB+1, BS, KH, D]
         k_pool.view(-1, kh, d).index_copy_(0, buf.slots, k)
         v_pool.view(-1, kh, d).index_copy_(0, buf.slots, v)
         shape = (buf.batch, buf.rows, q.shape[1], q.shape[2])
-        out = static_paged(
-            q.reshape(shape),
-            k_pool,
-            v_pool,
-            buf.table,
-            buf.positions.view(buf.batch, buf.rows),
-            buf.key_positions,
-            scale,
-        )
+        positions = buf.positions.view(buf.batch, buf.rows)  # [B, T]
+        visible = buf.key_positions[None, None, :] <= positions[:, :, None]  # [B, T, W*BS]
+        out = paged_sdpa(q.reshape(shape), k_pool, v_pool, buf.table, visible, scale)
         return out.reshape(q.shape)  # [B*T, NH, D]
 
 
@@ -164,7 +132,8 @@ class StaticForward:
         )
         self.key_positions = torch.arange(self.width * pool.block_size, device=device)
         attention = StaticAttention(pool, self)
-        self.layers = [_StaticLayer(i, attention) for i in range(model.info.num_layers)]
+        max_len = self.width * pool.block_size
+        self.layers = [_StaticLayer(i, attention, max_len) for i in range(model.info.num_layers)]
         self.graphs = graphs
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # [B*T, H] the last layer's output
@@ -235,69 +204,64 @@ def _graph_pool() -> tuple:
 
 
 class StaticDecoder:
-    """Static (or CUDA-graph) decode/verify steps of one model over its pool (module doc).
+    """Static (or CUDA-graph) decode/verify steps of one model over its pool (module doc);
+    the ``StaticPath`` of the model's paged sessions.
 
     Args:
         model: the placed model (``NativeLM`` or a view of one).
         pool: its paged pool.
-        max_rows: the most query rows per sequence taken statically (``k_max + 1``).
+        max_rows: the most query rows per sequence taken statically: the pipeline's largest
+            draft length + 1 (``KVStores`` passes it).
         graphs: capture CUDA graphs (CUDA only); else run the static forward eagerly.
     """
 
-    def __init__(
-        self, model: LayeredLM, pool: PagedKVCache, max_rows: int = 16, graphs: bool = False
-    ) -> None:
+    def __init__(self, model: LayeredLM, pool: PagedKVCache, max_rows: int, graphs: bool) -> None:
         self.model, self.pool = model, pool
         self.max_rows = max_rows
         self.graphs = graphs
         self.shapes: dict[tuple[int, int], StaticForward] = {}
         self.stats = StaticStats()
 
-    def accepts(self, queries: list[tuple[ModelSession, int, int, int]]) -> bool:
-        """Whether this step can run statically (module doc)."""
-        depth = self.model.info.num_layers
-        if bucket_for(len(queries)) is None:
-            self.stats.eager_steps += 1
-            return False
-        for sess, exit_layer, start, end in queries:
-            done = sess.computed(0)
-            if (
-                exit_layer != depth
-                or start != done
-                or not 0 < end - start <= self.max_rows
-                or any(sess.computed(layer) != done for layer in range(depth))
-                or end > self.pool.max_blocks_per_sequence * self.pool.block_size
-            ):
-                self.stats.eager_steps += 1
-                return False
-        return True
+    def note_eager(self) -> None:
+        """A step whose sessions had partial layers pending: it ran eagerly."""
+        self.stats.eager_steps += 1
 
-    def logits(self, queries: list[tuple[ModelSession, int, int, int]]) -> list[torch.Tensor]:
-        """``forward_logits`` for an accepted step: logits ``[end - start, V]`` per query
-        (on the model's device), with every session's bookkeeping updated."""
-        rows = max(end - start for _, _, start, end in queries)
-        batch = bucket_for(len(queries))
+    def fits(self, rows: list[StaticRow]) -> bool:
+        """Whether a step of these rows fits a static shape (batch bucket, ``max_rows``,
+        the block-table width)."""
+        capacity = self.pool.max_blocks_per_sequence * self.pool.block_size
+        return bucket_for(len(rows)) is not None and all(
+            0 < len(tokens) <= self.max_rows and start + len(tokens) <= capacity
+            for _, tokens, start in rows
+        )
+
+    def run(self, rows: list[StaticRow]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """One static full forward: ``(h_N [t_i, H], logits [t_i, V])`` per row (on the
+        model's device), the pool's lengths set to each row's end; ``None`` (nothing ran,
+        counted as an eager step) when the step does not fit."""
+        if not self.fits(rows):
+            self.stats.eager_steps += 1
+            return None
+        t = max(len(tokens) for _, tokens, _ in rows)
+        batch = bucket_for(len(rows))
         assert batch is not None
-        shape = self.shapes.get((batch, rows))
+        shape = self.shapes.get((batch, t))
         if shape is None:
-            shape = StaticForward(self.model, self.pool, batch, rows, self.graphs)
-            self.shapes[(batch, rows)] = shape
-        loads = []
-        for sess, _, start, end in queries:
-            seq_id = sess.caches[0].seq_id  # type: ignore[attr-defined]
-            self.pool.reserve(seq_id, end)
-            loads.append((seq_id, sess.tokens[start:end], start))
-        shape.load(loads)
+            shape = self.shapes[(batch, t)] = StaticForward(
+                self.model, self.pool, batch, t, self.graphs
+            )
+        for seq_id, tokens, start in rows:
+            self.pool.reserve(seq_id, start + len(tokens))
+        shape.load(rows)
         spent = shape.run()
         if spent:
-            self.stats.captured.append((batch, rows))
+            self.stats.captured.append((batch, t))
             self.stats.capture_s += spent
         self.stats.steps += 1
+        assert shape.hidden is not None and shape.logits is not None
         out = []
-        for b, (sess, _, start, end) in enumerate(queries):
-            seq_id = sess.caches[0].seq_id  # type: ignore[attr-defined]
-            self.pool.set_lengths(seq_id, end)
-            span = slice(b * rows, b * rows + end - start)
-            sess.record_full_forward(start, shape.hidden[span].clone())
-            out.append(shape.logits[span])
+        for b, (seq_id, tokens, start) in enumerate(rows):
+            self.pool.set_lengths(seq_id, start + len(tokens))
+            span = slice(b * t, b * t + len(tokens))
+            out.append((shape.hidden[span].clone(), shape.logits[span]))
         return out

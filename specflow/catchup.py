@@ -1,0 +1,70 @@
+"""Bring requests' model sessions up to their committed tokens: the one place this is done.
+
+A session of ``lm`` is *synced at exit L* when layers ``< L`` have processed every committed
+token but the last; the last one is processed by the round's next forward (the verifier
+scores it in front of the draft, a drafter's first step runs it).  So a request is
+
+    behind = (len(state.tokens) - 1) - session.computed(L - 1)
+
+positions behind (layers are computed bottom-up, so ``computed`` never grows with depth and
+layer ``L - 1`` is the deepest one missing work).  A new request is behind by its whole
+prompt (the prefill); a drafter that sat out rounds (a pool's idle arm, a fallback's second
+drafter, a policy's plain rounds) by the tokens committed meanwhile; a drafter that drafted
+last round by one position, its bonus token.
+
+Every verifier's prefill, every model drafter's lazy catch-up and a pool's switch of arms
+call ``catch_up``: one batched forward (``forward_hidden``) over the requests more than
+``slack`` positions behind, timed with the requests' ``DecodeState.clock`` (the pipeline's
+clock), never with a second counter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specflow.kv.base import LayeredLM
+from specflow.kv.session import forward_hidden
+from specflow.state import DecodeState
+
+
+@dataclass
+class CatchUp:
+    """What ``catch_up`` did.
+
+    Attributes:
+        behind: per request, the positions it processed (0 for a request within ``slack``).
+        seconds: the batched forward's duration by the requests' clock (0.0 when none ran);
+            every request that caught up waited for all of it.
+    """
+
+    behind: list[int]
+    seconds: float = 0.0
+
+
+def catch_up(
+    states: list[DecodeState], lm: LayeredLM, exit_layer: int, slack: int = 0
+) -> CatchUp:
+    """Sync each request's session of ``lm`` at ``exit_layer`` (see module doc).
+
+    Every session first takes the request's committed tokens (``set_tokens``: the rejected
+    drafts of earlier rounds are dropped).  The requests more than ``slack`` positions behind
+    then run in ONE batched forward up to their last committed token.  ``slack=1`` leaves the
+    usual one position of a drafter's previous round to ride along with its first drafting
+    step.
+    """
+    behind = [0] * len(states)
+    todo = []
+    for i, st in enumerate(states):
+        session = st.session(lm)
+        session.set_tokens(st.tokens)
+        end = len(st.tokens) - 1
+        missing = max(0, end - session.computed(exit_layer - 1))
+        if missing > slack:
+            behind[i] = missing
+            todo.append((session, exit_layer, end))
+    if not todo:
+        return CatchUp(behind)
+    clock = states[0].clock
+    start = clock()
+    forward_hidden(todo)
+    return CatchUp(behind, clock() - start)

@@ -1,0 +1,126 @@
+"""A request's measurements from its generations: the ``RequestMetrics`` of its record.
+
+The runner decodes a request turn by turn (``Generation`` per turn) with the method and,
+when asked, with plain decoding; these functions turn those generations into the typed
+record fields of ``specflow.records``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specflow.records import BaselineMetrics, PoolMetrics, RequestMetrics
+
+if TYPE_CHECKING:
+    from specflow.scheduler import Generation
+    from specflow.workload import Request
+
+
+def task_scores(request: Request, text: str) -> dict[str, float]:
+    """The task scores (``{"task/<name>": score}``) of ``text`` as the answer to ``request``;
+    empty for a category without a scorer, or when the task extras are not installed."""
+    try:
+        from specflow.tasks.scoring import score_request
+    except ImportError:  # pragma: no cover - tasks are optional extras
+        return {}
+    return score_request(request.category, text, request.reference, request.extra.get("problem"))
+
+
+def generation_metrics(
+    gens: list[Generation], queued_s: float = 0.0, baseline: BaselineMetrics | None = None
+) -> RequestMetrics:
+    """A request's metrics over its turns' generations (``latency_s`` = ``total_s``).
+
+    ``queued_s``: seconds the turns waited for a batch slot; ``baseline``: plain decoding
+    of the same turns (``baseline_metrics``), when it ran.
+    """
+    rounds = sum(g.stats.rounds for g in gens)
+    accepted = sum(g.stats.accepted for g in gens)
+    drafted = sum(g.stats.drafted for g in gens)
+    total_s = sum(g.total_s for g in gens)
+    new_tokens = sum(len(g.tokens) for g in gens)
+    times: dict[str, float] = {}
+    for g in gens:
+        for k, v in g.times.as_dict(g.total_s).items():
+            times[k] = times.get(k, 0.0) + v
+        for level, nested in g.nested_times.items():
+            for k, v in vars(nested).items():
+                key = f"nested/{level}/{k}"
+                times[key] = times.get(key, 0.0) + v
+    levels: dict[str, list[int]] = {}
+    for g in gens:
+        for level, d in g.stats.level_drafted.items():
+            acc = levels.setdefault(level, [0, 0])
+            acc[0] += d
+            acc[1] += g.stats.level_accepted[level]
+        for level, nested in g.nested_stats.items():
+            acc = levels.setdefault(level, [0, 0])
+            acc[0] += nested.drafted
+            acc[1] += nested.accepted
+    asked = [k for g in gens for k in g.stats.asked_per_round]
+    return RequestMetrics(
+        new_tokens=new_tokens,
+        total_s=total_s,
+        tokens_per_s=new_tokens / total_s if total_s else 0.0,
+        rounds=rounds,
+        target_calls=sum(g.stats.target_calls for g in gens),
+        drafted=drafted,
+        accepted=accepted,
+        tau=1.0 + accepted / rounds if rounds else 0.0,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        levels=levels,
+        time_per_stage=times,
+        k_per_round=asked,
+        rounds_skipped=sum(1 for k in asked if k == 0),
+        drafted_per_round=[k for g in gens for k in g.stats.drafted_per_round],
+        accepted_per_round=[a for g in gens for a in g.stats.accepted_per_round],
+        pool=pool_metrics(gens),
+        latency_s=total_s,
+        queued_s=queued_s,
+        baseline=baseline,
+    )
+
+
+def pool_metrics(gens: list[Generation]) -> PoolMetrics | None:
+    """A drafter pool's (MetaSD) per-round arms and rewards, arm counts and catch-up cost;
+    ``None`` when no round chose an arm (no pool)."""
+    stats = [s for g in gens for s in (g.stats, *g.nested_stats.values())]
+    arms = [a for s in stats for a in s.arms]
+    if not arms:
+        return None
+    return PoolMetrics(
+        arms=arms,
+        arm_rewards=[r for s in stats for r in s.rewards],
+        arm_counts=[arms.count(i) for i in range(max(arms) + 1)],
+        catchup_tokens=sum(s.catchup_tokens for s in stats),
+        catchup_s=sum(s.catchup_s for s in stats),
+    )
+
+
+def baseline_metrics(
+    gens: list[Generation], base: list[Generation], cached: bool, greedy: bool
+) -> BaselineMetrics:
+    """Plain decoding's turns ``base`` next to the method's ``gens``: tokens, seconds, the
+    speedup of the method's tokens/s, and (``greedy`` only) whether every turn matches."""
+    tokens = sum(len(g.tokens) for g in gens)
+    seconds = sum(g.total_s for g in gens)
+    tokens_per_s = tokens / seconds if seconds else 0.0
+    b_tokens = sum(len(g.tokens) for g in base)
+    b_s = sum(g.total_s for g in base)
+    matches = all(g.tokens == b.tokens for g, b in zip(gens, base, strict=True))
+    return BaselineMetrics(
+        baseline_tokens=b_tokens,
+        baseline_s=b_s,
+        baseline_tokens_per_s=b_tokens / b_s if b_s else 0.0,
+        baseline_cached=cached,
+        speedup=tokens_per_s / (b_tokens / b_s) if b_s else None,
+        matches_baseline=matches if greedy else None,
+    )
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (nearest rank), ``None`` when there are none."""
+    if not values:
+        return None
+    vals = sorted(values)
+    return vals[min(len(vals) - 1, round(q * (len(vals) - 1)))]
