@@ -4,7 +4,6 @@ and an engine and a scheduler that do not import each other."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -97,23 +96,8 @@ def _state(tokens: list[int], clock=None) -> DecodeState:
                        **kw)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, anywhere (functions and ``TYPE_CHECKING`` included)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-    return found
-
-
 # ---------------------------------------------------------------- engine <-> scheduler
-def test_engine_and_scheduler_do_not_import_each_other():
-    assert "specflow.scheduler" not in _imports(ROOT / "specflow" / "engine.py")
-    assert "specflow.engine" not in _imports(ROOT / "specflow" / "scheduler.py")
-
-
+# (that they never import each other is tests/test_layering.py's circle check)
 def test_the_pipeline_is_what_the_scheduler_runs(tiny_target):
     _, lm = tiny_target
     assert isinstance(SpeculativePipeline(FullVerifier(lm), StandardAcceptor()), Pipeline)

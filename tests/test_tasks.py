@@ -14,7 +14,7 @@ from specflow.tasks import humaneval, text_metrics
 from specflow.tasks.gsm8k import extract_final_number, gsm8k_correct, normalize_number
 from specflow.tasks.scoring import aggregate_scores, first_reference, score_request
 
-SPECBENCH = Path("/work/shared/data/specbench/question.dev.jsonl")
+SPECBENCH = Path(__file__).resolve().parents[1] / "specflow/data/specbench/question.dev.jsonl"
 
 
 # --- GSM8K -------------------------------------------------------------------------------
@@ -67,8 +67,7 @@ def test_gsm8k_correct() -> None:
 
 
 def test_specbench_gsm8k_references_parse() -> None:
-    if not SPECBENCH.exists():
-        pytest.skip("Spec-Bench data not present")
+    """The vendored Spec-Bench dev split's math references parse as GSM8K answers."""
     rows = [json.loads(line) for line in SPECBENCH.read_text().splitlines() if line.strip()]
     refs = [first_reference(r["reference"]) for r in rows if r["category"] == "math_reasoning"]
     assert refs and all(gsm8k_correct(ref, ref) for ref in refs)

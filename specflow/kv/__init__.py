@@ -1,12 +1,15 @@
-"""The paged KV store (the GPU path; also on CPU): blocks, block tables, paged attention.
+"""The basement: where a request's keys/values live and how a decoder layer attends to them.
 
-- ``cache``: ``BlockAllocator`` (fixed-size blocks, free list, promises for admission
-  control) and ``PagedKVCache`` (one K/V pool per model, per-sequence block tables,
-  per-layer lengths; ``PagedLayerKV`` is one (sequence, layer)'s ``LayerKV``).
-- ``attention``: the kernels (``sdpa_paged``, ``flash_paged``), ``select_backend`` and
-  ``PagedAttention``, the model's attention backend over a pool.
+- ``base``: the contract with the models (``LayeredLM``, ``ModelInfo``), the layer caches
+  (``LayerKV``, ``AttendedKV``), ``AttentionBackend``, ``KVSpec`` and ``StaticPath``.  It
+  imports nothing else of ``kv``; ``specflow.models`` imports only it.
+- ``session``: ``ModelSession``, one model's view of one request (a layered KV cache that
+  computes only what is missing), and the batched forwards over many sessions.
+- ``stores``: ``KVStores`` (a run's stores: contiguous or paged, placement, admission).
+- ``contiguous``: ``KVCache`` and ``ContiguousAttention`` (a buffer per sequence and layer).
+- ``paged``: ``PagedKVCache`` (blocks, block tables, promises) and ``PagedAttention``.
+- ``kernels``: ``paged_sdpa`` (the one paged SDPA kernel), ``flash_paged``, causal prefill.
+- ``static``: fixed-shape decode/verify steps over a pool, replayed as CUDA graphs.
 
-Sessions over a pool are ordinary ``specflow.kv.session.ModelSession``s (opened by
-``specflow.kv.stores.KVStores``); the engine and the decoder layer are the same for
-every KV layout and batch size.
+Imports point down: stores -> session -> contiguous -> base; stores -> paged, static -> kernels.
 """

