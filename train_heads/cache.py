@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,16 @@ class HiddenCache:
         if generated_only:
             keep &= self.generated
         return keep.nonzero().squeeze(1)
+
+    def limit_train(self, max_positions: int) -> HiddenCache:
+        """This cache with only its first training sequences, up to ``max_positions`` rows
+        in all (the later ones move to split 2, which nothing reads): a data-size
+        experiment on one cached data phase."""
+        lengths = self.offsets[1:] - self.offsets[:-1]  # [S]
+        train = self.split == 0
+        seen = torch.cumsum(torch.where(train, lengths, 0), 0)
+        split = torch.where(train & (seen > max_positions), 2, self.split)
+        return replace(self, split=split)
 
     def sequences(self, split: int) -> list[int]:
         """Indices of the sequences of ``split``."""

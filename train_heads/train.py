@@ -58,6 +58,11 @@ from train_heads.cache import (  # noqa: E402
     layers_filename,
 )
 from train_heads.evaluate import as_dict, evaluate_exits, metrics_table  # noqa: E402
+from train_heads.exit_data import (  # noqa: E402
+    exit_data_from_features,
+    feature_data_dir,
+    feature_prompts,
+)
 from train_heads.prompts import Prompt, random_prompts, shared_prefix, specbench_prompts  # noqa: E402,E501
 
 log = logging.getLogger("train_heads")
@@ -88,7 +93,12 @@ def load_prompts(data: DictConfig, loaded: Any) -> list[Prompt]:
         return random_prompts(data.num_prompts, data.prompt_len, loaded.info.vocab_size,
                               data.eval_every, data.eval_offset, data.seed,
                               loaded.info.eos_token_ids)
-    raise ConfigError(f"data.source={data.source!r} is unknown; use specbench or random")
+    if data.source == "feature":  # the feature head's cached sequences (train_heads.exit_data)
+        directory = feature_data_dir(
+            data_cache_dir(data.cache_dir) / Path(loaded.info.name).name, data.feature_dir)
+        return feature_prompts(directory)
+    raise ConfigError(f"data.source={data.source!r} is unknown; use specbench, random or "
+                      "feature")
 
 
 def process_rank() -> int:
@@ -125,7 +135,8 @@ def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Pro
         "dtype": str(getattr(lm, "dtype", "")),
         "data": OmegaConf.to_container(data, resolve=True),
     }
-    for k in ("batch_size", "val_max_rows", "cache_dir", "gen_batch_size", "wait_for_cache_s"):
+    for k in ("batch_size", "val_max_rows", "cache_dir", "gen_batch_size", "wait_for_cache_s",
+              "max_train_positions"):  # training-time choices: one cache serves them all
         key_parts["data"].pop(k, None)
     directory = data_cache_dir(data.cache_dir) / Path(info.name).name / cache_key(key_parts)
     found = find_cached(directory, layers + [info.num_layers])
@@ -141,21 +152,32 @@ def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Pro
 
     timings = {}
     n = info.num_layers
-    parts = []
-    for split, new in ((0, data.max_new_tokens), (1, data.eval_max_new_tokens)):
-        ps = [p for p in prompts if p.split == split]
+    if data.source == "feature":  # teacher-forced exit states over the cached sequences
         t0 = time.perf_counter()
-        parts.append((ps, generate_with_hidden(
-            lm, [p.ids for p in ps], layers, new, data.gen_batch_size, info.eos_token_ids,
-            progress=cfg.progress,
-        )))
-        timings[f"generate_{'train' if split == 0 else 'eval'}_s"] = time.perf_counter() - t0
-    gens = [g for _, gs in parts for g in gs]
-    splits = [p.split for ps, _ in parts for p in ps]
-    meta = {
-        "model": info.name, "weights_fingerprint": info.weights_fingerprint,
-        "prompt_ids": [p.prompt_id for ps, _ in parts for p in ps], "key": key_parts,
-    }
+        source = feature_data_dir(directory.parent, data.feature_dir)
+        gens, splits = exit_data_from_features(lm, source, layers)
+        timings["exit_states_s"] = time.perf_counter() - t0
+        ids = [f"train/{i}" for i in range(splits.count(0))] + [
+            f"heldout/{i}" for i in range(splits.count(1))]
+        meta = {"model": info.name, "weights_fingerprint": info.weights_fingerprint,
+                "prompt_ids": ids, "key": key_parts, "feature_data": str(source)}
+    else:
+        parts = []
+        for split, new in ((0, data.max_new_tokens), (1, data.eval_max_new_tokens)):
+            ps = [p for p in prompts if p.split == split]
+            t0 = time.perf_counter()
+            parts.append((ps, generate_with_hidden(
+                lm, [p.ids for p in ps], layers, new, data.gen_batch_size, info.eos_token_ids,
+                progress=cfg.progress,
+            )))
+            timings[f"generate_{'train' if split == 0 else 'eval'}_s"] = (
+                time.perf_counter() - t0)
+        gens = [g for _, gs in parts for g in gs]
+        splits = [p.split for ps, _ in parts for p in ps]
+        meta = {
+            "model": info.name, "weights_fingerprint": info.weights_fingerprint,
+            "prompt_ids": [p.prompt_id for ps, _ in parts for p in ps], "key": key_parts,
+        }
     t0 = time.perf_counter()
     cache = build_cache(gens, splits, lambda h: lm.head(h, n), n, data.topk, meta)
     timings["teacher_topk_s"] = time.perf_counter() - t0
@@ -235,6 +257,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             cfg.data.skip_prefix)
         t0 = time.perf_counter()
         cache, cache_info = get_cache(cfg, loaded, layers, prompts)
+        if cfg.data.get("max_train_positions"):
+            cache = cache.limit_train(int(cfg.data.max_train_positions))
         times["data_s"] = time.perf_counter() - t0
         log.info("layers %s; %d rows (%d train rows), skip %d", layers, cache.num_rows,
                  int(cache.rows(0, skip=skip).numel()), skip)

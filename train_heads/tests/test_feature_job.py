@@ -64,3 +64,19 @@ def test_feature_job_end_to_end(tmp_path):
     res2 = run(_compose(tmp_path, "output.install=false"), loaded)
     assert res2["data"]["train_built_positions"] == 0
     assert res2["data"]["heldout_built_positions"] == 0
+    # exit heads on the same data phase (data=feature): every cached position, no generation
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"),
+                               version_base="1.3"):
+        exit_cfg = compose("config", overrides=[
+            "model=smollm2-135m", "head=mlp", "head.rank=16", "data=feature",
+            f"data.cache_dir={tmp_path / 'cache'}", "layers=explicit", "layers.exits=[3,15]",
+            "trainer.max_epochs=1", "progress=false", "logger=none", "output.install=false",
+            f"output.dir={tmp_path / 'exit_run'}", "threads=null",
+        ])
+    res3 = run(exit_cfg, loaded)
+    assert res3["cache"]["built"] and "exit_states_s" in res3["cache"]
+    assert 0 < res3["train_rows"] < data["train_positions"]  # the shared prefix left out
+    assert sorted(res3["after"]) == ["15", "3"] and res3["train_steps"] > 0
+    assert len(res3["eval_prompt_ids"]) == 3  # the feature data's held-out questions

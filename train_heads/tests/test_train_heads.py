@@ -85,6 +85,43 @@ def test_batched_generation_matches_native_greedy_and_hidden_states(tiny):
                 torch.testing.assert_close(g.hidden[layer + 1], h, rtol=1e-4, atol=1e-4)
 
 
+def test_exit_states_by_teacher_forcing_equal_the_generation_path(tiny):
+    """``train_heads.exit_data``: exit states recomputed over cached sequences (ragged
+    batches, layers below the deepest exit only) equal those generation kept; h_N is the
+    cache's; a position cap takes whole leading sequences."""
+    from train_heads.exit_data import exit_states
+    from train_heads.feature_data import FeatureSequences
+
+    lm = tiny.lm
+    n = lm.info.num_layers
+    prompts = [p.ids for p in random_prompts(5, 7, 128, seed=4)]
+    prompts[2] = prompts[2][:3]
+    gens = generate_with_hidden(lm, prompts, [1, 2], 6, batch_size=5, progress=False)
+    seqs = FeatureSequences.from_generated(gens, n)
+    got = exit_states(lm, seqs, [1, 2], batch_rows=20)  # several ragged batches
+    assert [g.tokens for g in got] == [g.tokens for g in gens]
+    assert [g.prompt_len for g in got] == [g.prompt_len for g in gens]
+    for want, have in zip(gens, got, strict=True):
+        assert sorted(have.hidden) == [1, 2, n]
+        assert torch.equal(have.hidden[n], want.hidden[n])
+        for layer in (1, 2):
+            torch.testing.assert_close(have.hidden[layer], want.hidden[layer],
+                                       rtol=1e-4, atol=1e-4)
+    rows = [len(g.tokens) - 1 for g in gens]
+    capped = exit_states(lm, seqs, [2], max_positions=rows[0] + rows[1])
+    assert len(capped) == 2 and sorted(capped[0].hidden) == [2, n]
+
+
+def test_limit_train_keeps_the_leading_training_sequences(cache):
+    train = cache.sequences(0)
+    lengths = (cache.offsets[1:] - cache.offsets[:-1]).tolist()
+    cap = lengths[train[0]] + lengths[train[1]]
+    small = cache.limit_train(cap)
+    assert small.sequences(0) == train[:2] and small.sequences(1) == cache.sequences(1)
+    assert small.rows(0).numel() == cap
+    assert cache.sequences(0) == train  # the original is untouched
+
+
 def test_topk_kl_is_full_kl_at_full_k_and_a_lower_bound_below():
     gen = torch.Generator().manual_seed(0)
     t, s = torch.randn(6, 50, generator=gen) * 3, torch.randn(6, 50, generator=gen) * 3
