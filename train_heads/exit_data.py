@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from specflow.errors import ConfigError
 from specflow.kv.base import LayeredLM
@@ -53,24 +54,35 @@ def feature_data_dir(model_dir: Path, configured: str | None) -> Path:
     return found[0]
 
 
-def load_chunks(directory: Path, name: str) -> FeatureSequences:
-    """Every ``<name>_<i>.safetensors`` chunk of a feature data cache, in order."""
+def chunk_paths(directory: Path, name: str) -> list[Path]:
+    """The ``<name>_<i>.safetensors`` chunks of a feature data cache, in order."""
     paths = sorted(directory.glob(f"{name}_*.safetensors"),
                    key=lambda p: int(p.stem.rsplit("_", 1)[1]))
     if not paths:
         raise ConfigError(f"no {name}_*.safetensors chunks in {directory}")
-    return FeatureSequences.concat([FeatureSequences.load(p) for p in paths])
+    return paths
+
+
+def load_chunks(directory: Path, name: str) -> FeatureSequences:
+    """Every ``<name>_<i>.safetensors`` chunk of a feature data cache, in order."""
+    return FeatureSequences.concat([FeatureSequences.load(p) for p in chunk_paths(directory, name)])
 
 
 def feature_prompts(directory: Path) -> list[Prompt]:
     """The prompts of a feature data cache (``train/<i>`` split 0, ``heldout/<i>`` split 1):
-    their token ids (what the shared-prefix skip is computed from)."""
+    their token ids (what the shared-prefix skip is computed from).  Reads the chunks' token
+    tensors only, not their features."""
     prompts = []
     for split, name in ((0, "train"), (1, "heldout")):
-        seqs = load_chunks(directory, name)
-        for i in range(seqs.num_seqs):
-            tokens, _, prompt_len = seqs.seq(i)
-            prompts.append(Prompt(f"{name}/{i}", "", tokens[:prompt_len].tolist(), split))
+        i = 0
+        for path in chunk_paths(directory, name):
+            with safe_open(str(path), framework="pt") as f:
+                tokens, offsets = f.get_tensor("tokens"), f.get_tensor("tok_offsets")
+                prompt_len = f.get_tensor("prompt_len")
+            for start, length in zip(offsets[:-1].tolist(), prompt_len.tolist(), strict=True):
+                prompts.append(Prompt(f"{name}/{i}", "", tokens[start : start + length].tolist(),
+                                      split))
+                i += 1
     return prompts
 
 
@@ -84,21 +96,19 @@ def exit_states(lm: LayeredLM, seqs: FeatureSequences, exits: list[int],
     layer for the batch, layers ``0 .. max(exits) - 1`` only.
     """
     n = lm.info.num_layers
-    take, rows = [], 0
-    for i in range(seqs.num_seqs):
-        tokens, feats, _ = seqs.seq(i)
-        if max_positions is not None and rows + feats.shape[0] > max_positions:
-            break
-        take.append(i)
-        rows += feats.shape[0]
+    rows = (seqs.feat_offsets[1:] - seqs.feat_offsets[:-1]).tolist()  # positions per sequence
+    take, total = 0, 0
+    while take < len(rows) and (max_positions is None or total + rows[take] <= max_positions):
+        total += rows[take]
+        take += 1
     out: list[Generated] = []
     start, done = 0, 0
     t0 = time.perf_counter()
-    while start < len(take):
+    while start < take:
         batch, size = [], 0
-        while start < len(take) and (not batch or size < batch_rows):
-            batch.append(take[start])
-            size += seqs.seq(take[start])[1].shape[0]
+        while start < take and (not batch or size < batch_rows):
+            batch.append(start)
+            size += rows[start]
             start += 1
         parts = [seqs.seq(i) for i in batch]
         caches = [layer_caches(lm, f.shape[0]) for _, f, _ in parts]
@@ -120,7 +130,7 @@ def exit_states(lm: LayeredLM, seqs: FeatureSequences, exits: list[int],
             row += r
         done += size
         log.info("[data] exit states: %d/%d sequences, %d positions, %.1f ms/position",
-                 len(out), len(take), done, 1000 * (time.perf_counter() - t0) / done)
+                 len(out), take, done, 1000 * (time.perf_counter() - t0) / done)
     return out
 
 
