@@ -173,7 +173,13 @@ class SpeculativePipeline:
 
     # ------------------------------------------------------------------ one round
     def begin(self, states: list[DecodeState]) -> None:
-        """New requests start: every stage prefills / resets (batched)."""
+        """New requests start: every stage prefills / resets (batched).  First, each
+        request's sessions learn which exits with an attention adapter a stage reads
+        (``ModelSession.read_exit``: the adapter must see every position, the prefill's too)."""
+        for use in self.uses():
+            if use.lm.exit_adapter(use.exit_layer) is not None:
+                for st in states:
+                    st.session(use.lm).read_exit(use.exit_layer)
         self.target_verifier.begin(states)
         if self.draft_length is not None:
             for st in states:

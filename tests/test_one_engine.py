@@ -58,6 +58,18 @@ def target():
 
 
 @pytest.fixture(scope="module")
+def adapted():
+    """The same 6-layer target as its own object, with attention adapters at exits 2 and 4
+    moved away from their initialisation (as training would)."""
+    from specflow.models.exit_heads import attach_heads
+    from tests.test_adapter_head import perturbed_adapter
+
+    hf, lm = make_pair("llama", seed=3, num_layers=6)
+    attach_heads(lm, {2: perturbed_adapter(lm, 2, seed=0), 4: perturbed_adapter(lm, 4, seed=1)})
+    return hf, lm
+
+
+@pytest.fixture(scope="module")
 def drafter():
     return make_pair("llama", seed=1, num_layers=2)
 
@@ -93,15 +105,18 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
         return pipe(pld_model())
     if method == "pld_then_model":
         return pipe(FallbackDrafter(PLDDrafter(k=5, min_ngram=2), ModelDrafter(draft_lm, k=3)))
-    if method == "self_spec":
+    if method in ("self_spec", "self_spec_adapter"):
         return pipe(ModelDrafter(lm, k=3, exit_layer=2))
-    if method == "hispec":
+    if method in ("hispec", "hispec_adapter"):
         return pipe(
             ModelDrafter(lm, k=2, exit_layer=2),
             intermediate_verifier=EarlyExitVerifier(lm, exit_layer=4, accumulate=3),
         )
     if method == "layer_skip":
         return pipe(LayerSkipDrafter(lm, [1, 3], k=3))
+    if method == "metasd_adapter":  # the adapter's arm sits idle in some rounds
+        arms = {"pld": PLDDrafter(k=4), "exit_early": ModelDrafter(lm, k=3, exit_layer=2)}
+        return pipe(PoolDrafter(arms, RoundRobinSelector()))
     if method.startswith("metasd_"):
         arms = {
             "pld": PLDDrafter(k=4),
@@ -131,6 +146,9 @@ METHODS = [
     "pld_then_model",
     "self_spec",
     "hispec",
+    "self_spec_adapter",
+    "hispec_adapter",
+    "metasd_adapter",
     "layer_skip",
     *(f"metasd_{name}" for name in SELECTORS),
     "fly_theta1",
@@ -155,15 +173,15 @@ def decode(pipe, batch_size: int, kind: str, prompts, max_new: int, sampling=Non
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("method", METHODS)
 def test_every_pipeline_equals_hf_greedy(method, batch_size, kind, target, drafter,
-                                        feature_head):
-    hf, lm = target
+                                        feature_head, adapted):
+    hf, lm = adapted if method.endswith("_adapter") else target
     pipe = build(method, lm, drafter[1], feature_head)
     gens, sched = decode(pipe, batch_size, kind, PROMPTS, MAX_NEW)
     assert [g.tokens for g in gens] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
     assert max(sched.stats.occupancy) == batch_size
     if method != "ar":
         assert sum(g.stats.drafted for g in gens) > 0  # speculation happened
-    if method in ("metasd_ucb", "metasd_discounted_ucb", "metasd_round_robin"):
+    if method in ("metasd_ucb", "metasd_discounted_ucb", "metasd_round_robin", "metasd_adapter"):
         assert len({a for g in gens for a in g.stats.arms}) > 1  # several arms drafted
 
 

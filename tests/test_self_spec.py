@@ -67,6 +67,9 @@ class CountingLM:
     def head(self, hidden, exit_layer):
         return self.lm.head(hidden, exit_layer)
 
+    def exit_adapter(self, exit_layer):
+        return self.lm.exit_adapter(exit_layer)
+
 
 @pytest.fixture(scope="module")
 def deep():

@@ -182,6 +182,21 @@ class SelfManagedKV:
     why_not_paged: str
 
 
+class ExitAdapter(Protocol):
+    """An exit head with a KV cache (an attention adapter): one decoder layer that reads
+    ``h_L`` of every position of a sequence, in order, before the model's layer ``L`` consumes
+    it (``specflow.kv.session`` feeds it); ``LayeredLM.head`` at exit ``L`` then maps the
+    adapter's outputs ``a`` to logits.  ``specflow.models.adapter_head`` has the math."""
+
+    @property
+    def kv(self) -> KVSpec:
+        """The keys/values of the adapter's one layer (one cache per sequence)."""
+
+    def run(self, hidden: torch.Tensor, batch: LayerBatch, memo: dict) -> torch.Tensor:
+        """``h_L [N, H] -> a [N, H]`` for a ragged batch of the adapter's caches (the batch
+        convention of ``LayeredLM.run_layer``)."""
+
+
 @runtime_checkable
 class LayeredLM(Protocol):
     """A causal LM whose decoder layers can be run one range at a time (see module doc)."""
@@ -209,7 +224,11 @@ class LayeredLM(Protocol):
         """
 
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
-        """``h_exit [N, H] -> logits [N, V]`` (float32) at exit ``exit_layer`` in 1..N."""
+        """``h_exit [N, H] -> logits [N, V]`` (float32) at exit ``exit_layer`` in 1..N (at an
+        exit with an adapter, ``hidden`` is the adapter's output)."""
+
+    def exit_adapter(self, exit_layer: int) -> ExitAdapter | None:
+        """The attention adapter at early exit ``exit_layer``, or ``None`` (position-wise)."""
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LayeredLM:
         """This model on ``device`` / ``dtype`` (itself when nothing changes)."""

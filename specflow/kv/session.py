@@ -16,6 +16,15 @@ Rollback is ``set_tokens``: give the session the sequence you want; it keeps the
 common prefix of every layer's cache and of the kept hidden states and drops the rest.
 A drafter whose model was idle while tokens were committed catches up lazily the same way.
 
+An *attention adapter* at exit ``L`` (``LayeredLM.exit_adapter``: an exit head with its own
+KV cache, one decoder layer over ``h_L`` of every position) is fed by the session of a
+request that reads that exit (``read_exit``): when layer ``L`` consumes ``h_L`` rows the
+adapter has not seen, the session keeps them (``AdapterFeed.pending``), and the next question
+at exit ``L`` runs the adapter over them and the new rows in one batched call.  The answer
+at exit ``L`` is then the adapter's output ``a`` (which ``head`` maps to logits).  So the
+adapter never runs in a pass that does not ask its exit, and catches up on positions a deeper
+pass consumed (the prefill, a verification, rounds another drafter drafted).
+
 A session does not care where its keys/values live: its per-layer ``LayerKV``s come from a
 KV store (``specflow.kv.stores``): contiguous buffers of its own, or a sequence of a paged
 pool shared with other requests (whose full forwards may take the static path, a
@@ -27,12 +36,13 @@ sequences is the one code path, and ``ModelSession.hidden`` is a batch of one.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from specflow.errors import PromptTooLongError
-from specflow.kv.base import LayeredLM, LayerKV, StaticPath
-from specflow.kv.contiguous import layer_caches
+from specflow.kv.base import ExitAdapter, LayeredLM, LayerKV, StaticPath
+from specflow.kv.contiguous import KVCache, layer_caches
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -44,6 +54,82 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     while a[i] == b[i]:
         i += 1
     return i
+
+
+@dataclass
+class AdapterFeed:
+    """One attention adapter's state in one session (module doc).
+
+    Invariant, with ``A = cache.length`` (positions the adapter has processed) and ``c`` =
+    positions layer ``L`` has processed: ``pending`` holds ``h_L`` of ``[A, max(A, c))`` (rows
+    layer ``L`` consumed before the adapter saw them) and ``out`` the adapter's outputs of
+    ``[out_start, A)``.
+    """
+
+    adapter: ExitAdapter
+    cache: KVCache
+    pending: torch.Tensor | None = None  # [rows, H]
+    out: torch.Tensor | None = None  # [rows, H]
+    out_start: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def retain(self, start: int, rows: torch.Tensor) -> None:
+        """Layer ``L`` consumes ``h_L`` rows of positions ``[start, start + len(rows))``: keep
+        those the adapter has not seen (positions >= ``A`` not already pending)."""
+        have = self.length + (0 if self.pending is None else self.pending.shape[0])
+        first = max(have, start) - start
+        if first >= rows.shape[0]:
+            return
+        if have < start:
+            raise RuntimeError(f"adapter input gap: pending up to {have}, layer rows from {start}")
+        new = rows[first:]
+        self.pending = new if self.pending is None else torch.cat([self.pending, new])
+
+    def inputs(self, kept: torch.Tensor | None, kept_start: int, end: int) -> torch.Tensor:
+        """``h_L`` of positions ``[A, end)``: the pending rows, then ``kept`` (rows from
+        ``kept_start``, not yet consumed by layer ``L``)."""
+        parts = [] if self.pending is None else [self.pending]
+        first = self.length + sum(p.shape[0] for p in parts)
+        if first < end:
+            if kept is None or first < kept_start:
+                raise RuntimeError(f"h_L of positions [{first}, {end}) is gone before the "
+                                   "adapter read it")
+            parts.append(kept[first - kept_start : end - kept_start])
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return rows[: end - self.length]
+
+    def store(self, out: torch.Tensor) -> None:
+        """The adapter processed ``len(out)`` more positions (its cache already grew)."""
+        fed = out.shape[0]
+        if self.pending is not None:
+            self.pending = self.pending[fed:] if self.pending.shape[0] > fed else None
+        start = self.length - fed
+        if self.out is not None and self.out_start + self.out.shape[0] == start:
+            self.out = torch.cat([self.out, out])
+        else:
+            self.out, self.out_start = out, start
+
+    def truncate(self, n: int) -> None:
+        """Forget positions ``>= n``."""
+        if self.length > n:
+            self.cache.truncate(n)
+            self.pending = None
+        elif self.pending is not None:
+            rows = n - self.length
+            self.pending = self.pending[:rows] if rows > 0 else None
+        if self.out is not None:
+            rows = n - self.out_start
+            self.out = self.out[:rows] if rows > 0 else None
+
+    def trim(self, first_needed: int) -> None:
+        """Drop outputs of positions before ``first_needed`` (never asked for again)."""
+        if self.out is not None and self.out_start < first_needed:
+            drop = first_needed - self.out_start
+            self.out = self.out[drop:] if drop < self.out.shape[0] else None
+            self.out_start = first_needed
 
 
 class ModelSession:
@@ -91,6 +177,8 @@ class ModelSession:
         # The first position whose h_N a feature drafter still has to read (None: nobody
         # reads h_N beyond the current round; see ``retain_final_from``).
         self.final_floor: int | None = None
+        # Exit L -> the adapter this request feeds there (``read_exit``).
+        self.adapters: dict[int, AdapterFeed] = {}
         self.layer_evals = 0  # sum over layers of positions processed (for reuse tests/metrics)
 
     def release(self) -> None:
@@ -127,6 +215,8 @@ class ModelSession:
             drop = first_needed - self.final_start
             self.final_hidden = self.final_hidden[drop:] if drop < len(self.final_hidden) else None
             self.final_start = first_needed
+        for feed in self.adapters.values():
+            feed.trim(len(tokens) - 1)
 
     def extend(self, new_tokens: list[int]) -> None:
         """Append tokens (no computation happens until logits are asked for)."""
@@ -153,6 +243,26 @@ class ModelSession:
         if self.final_hidden is not None:
             rows = n - self.final_start
             self.final_hidden = self.final_hidden[:rows] if rows > 0 else None
+        for feed in self.adapters.values():
+            feed.truncate(n)
+
+    def read_exit(self, exit_layer: int) -> None:
+        """This request will read exit ``exit_layer``: if the model has an attention adapter
+        there, feed it every position from now on (module doc).  Must come before layer
+        ``exit_layer`` runs (``RuntimeError`` otherwise: the adapter would miss positions);
+        no-op for exits without an adapter and when already feeding."""
+        if exit_layer in self.adapters:
+            return
+        adapter = self.model.exit_adapter(exit_layer)
+        if adapter is None:
+            return
+        if self.computed(exit_layer) > 0:
+            raise RuntimeError(
+                f"read_exit({exit_layer}) after layer {exit_layer} processed "
+                f"{self.computed(exit_layer)} positions: the adapter there would miss them; "
+                "declare the exit (the stage's uses()) before the pipeline's begin"
+            )
+        self.adapters[exit_layer] = AdapterFeed(adapter, KVCache(adapter.kv, self.max_len))
 
     def retain_final_from(self, position: int) -> None:
         """Keep the last layer's outputs ``h_N`` from ``position`` on across rounds until
@@ -192,7 +302,11 @@ class ModelSession:
         kept = self.kept[layer]
         assert kept is not None and kept.shape[0] >= end - done, (layer, done, end)
         self.kept[layer] = kept[end - done :] if kept.shape[0] > end - done else None
-        return kept[: end - done]
+        rows = kept[: end - done]
+        feed = self.adapters.get(layer)
+        if feed is not None:
+            feed.retain(done, rows)
+        return rows
 
     def _store(self, layer: int, done: int, out: torch.Tensor) -> None:
         """Keep ``layer``'s output rows ``out [rows, H]`` for positions ``[done, done+rows)``."""
@@ -220,6 +334,11 @@ class ModelSession:
             if self.final_hidden is None:
                 return self._empty(), self.computed(n_layers - 1)
             return self.final_hidden, self.final_start
+        feed = self.adapters.get(exit_layer)
+        if feed is not None:
+            if feed.out is None:
+                return self._empty(), feed.length
+            return feed.out, feed.out_start
         kept = self.kept[exit_layer]
         if kept is None:  # every position up to `end` was already consumed deeper
             return self._empty(), self.computed(exit_layer)
@@ -294,7 +413,28 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
         for sess, done, end in todo:
             sess._store(layer, done, out[row : row + end - done])
             row += end - done
+    _feed_adapters(requests)
     return [sess._result(exit_layer) for sess, exit_layer, _ in requests]
+
+
+def _feed_adapters(requests: list[tuple[ModelSession, int, int]]) -> None:
+    """Run each asked exit's adapter over the positions it has not seen up to ``end``: one
+    batched call per exit (the sessions' pending rows, then their kept ``h_L``)."""
+    by_exit: dict[int, list[tuple[ModelSession, AdapterFeed, int]]] = {}
+    for sess, exit_layer, end in requests:
+        feed = sess.adapters.get(exit_layer)
+        if feed is not None and feed.length < end:
+            by_exit.setdefault(exit_layer, []).append((sess, feed, end))
+    for exit_layer, todo in by_exit.items():
+        parts = [feed.inputs(sess.kept[exit_layer], sess.computed(exit_layer), end)
+                 for sess, feed, end in todo]
+        inp = parts[0] if len(parts) == 1 else torch.cat(parts)  # [R, H]
+        batch = [(feed.cache, end - feed.length) for _, feed, end in todo]
+        out = todo[0][1].adapter.run(inp, batch, {})  # [R, H]; the caches grew
+        row = 0
+        for (_, feed, _), part in zip(todo, parts, strict=True):
+            feed.store(out[row : row + part.shape[0]])
+            row += part.shape[0]
 
 
 def forward_exit_hidden(queries: list[Query]) -> list[torch.Tensor]:
@@ -341,10 +481,12 @@ def forward_logits(queries: list[Query]) -> list[torch.Tensor]:
 def _static_forward(static: StaticPath, queries: list[Query]) -> list[torch.Tensor] | None:
     """Logits per query from the static path, or ``None`` (run eagerly).  Only a full forward
     fits it: every query asks the last exit for positions ``[start, end)`` with every layer
-    at ``start`` (no partial layers pending)."""
+    at ``start`` (no partial layers pending), and no session feeds an adapter (it keeps
+    ``h_L`` between layers, which the static path never hands out)."""
     for sess, exit_layer, start, _ in queries:
         depth = sess.num_layers
-        if exit_layer != depth or any(sess.computed(layer) != start for layer in range(depth)):
+        if (exit_layer != depth or sess.adapters
+                or any(sess.computed(layer) != start for layer in range(depth))):
             static.note_eager()
             return None
     out = static.run([(s.seq_id, s.tokens[start:end], start) for s, _, start, end in queries])

@@ -36,6 +36,7 @@ from torch import nn
 from specflow.cache_root import cache_root
 from specflow.errors import ConfigError
 from specflow.kv.base import LayeredLM, ModelInfo
+from specflow.models.adapter_head import AdapterHead
 
 if TYPE_CHECKING:
     from specflow.models.native import NativeLM
@@ -121,9 +122,12 @@ def _check_heads(heads: Mapping[int, nn.Module], info: ModelInfo) -> None:
     if not heads:
         raise ConfigError("no exit heads given")
     for layer, head in heads.items():
-        if not isinstance(head, ExitHead):
+        if not isinstance(head, ExitHead | AdapterHead):
             raise ConfigError(f"exit head at layer {layer} is a {type(head).__name__}, "
-                              "not an ExitHead")
+                              "not an ExitHead or AdapterHead")
+        if isinstance(head, AdapterHead) and not 1 <= int(layer) < info.num_layers:
+            raise ConfigError(f"an adapter needs an early exit in 1..{info.num_layers - 1} "
+                              f"({info.name}), got {layer}")
         if not 1 <= int(layer) <= info.num_layers:
             raise ConfigError(f"exit head at layer {layer} is outside 1..{info.num_layers} "
                               f"({info.name} has {info.num_layers} layers)")
@@ -219,8 +223,16 @@ def check_base_model(meta: Mapping[str, Any], info: ModelInfo, path: str | Path 
                           f"but {info.name} has {info.hidden_size}")
 
 
+def new_head(cfg: Mapping[str, Any]) -> nn.Module:
+    """An untrained head of the shape a file's per-exit config names (an ``ExitHead``, or an
+    ``AdapterHead`` for ``head_type = "adapter"``)."""
+    if cfg.get("head_type") == AdapterHead.head_type:
+        return AdapterHead(**cfg)
+    return ExitHead(**cfg)
+
+
 def load_heads(path: str | Path, info: ModelInfo, check_name: bool = True
-               ) -> dict[int, ExitHead]:
+               ) -> dict[int, nn.Module]:
     """Exit heads from ``path`` for base model ``info`` (float32, eval mode, frozen).
 
     Raises:
@@ -232,10 +244,10 @@ def load_heads(path: str | Path, info: ModelInfo, check_name: bool = True
     meta = read_heads_metadata(path)
     check_base_model(meta, info, path, check_name)
     tensors = load_file(str(Path(path).expanduser()))
-    heads: dict[int, ExitHead] = {}
+    heads: dict[int, nn.Module] = {}
     for key, cfg in meta["heads"].items():
         layer = int(key)
-        head = ExitHead(**cfg)
+        head = new_head(cfg)
         prefix = f"exit.{layer}."
         state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         head.load_state_dict(state, strict=True)
@@ -261,13 +273,15 @@ def attach_heads(
             f"backend='native' (Llama/Qwen2 family)"
         )
     _check_heads(heads, lm.info)
-    lm.set_exit_heads(
-        {
-            int(layer): head.to(device=lm.device, dtype=lm.dtype).eval().requires_grad_(False)
-            for layer, head in heads.items()
-        },
-        path,
-    )
+    placed = {
+        int(layer): head.to(device=lm.device, dtype=lm.dtype).eval().requires_grad_(False)
+        for layer, head in heads.items()
+    }
+    adapters = {
+        layer: head.native_layer(lm.device, lm.dtype, lm.packed)
+        for layer, head in placed.items() if isinstance(head, AdapterHead)
+    }
+    lm.set_exit_heads(placed, path, adapters)
     return lm
 
 

@@ -121,6 +121,10 @@ class HFBackendLM:
         )
         return out.last_hidden_state[0]  # [T, H]
 
+    def exit_adapter(self, exit_layer: int) -> None:
+        """No adapters: the one exit is the model's last layer."""
+        return None
+
     @torch.no_grad()
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
         """``h [T, H] -> logits [T, V]`` float32; only exit 1 exists."""

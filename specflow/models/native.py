@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from torch import nn
 
 from specflow import cpu
 from specflow.errors import ConfigError
-from specflow.kv.base import AttendedKV, KVSpec, ModelInfo
+from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, ModelInfo
 
 log = logging.getLogger("specflow")
 
@@ -204,6 +204,9 @@ class NativeLM:
         self.device = embed_weight.device
         self.exit_heads: dict[int, nn.Module] = {}
         self.exit_heads_path: str | None = None  # the file the attached heads came from
+        # Exit L -> the decoder layer of the attention adapter there (its sessions feed it
+        # h_L of every position: ``exit_adapter``); its position-wise part is exit_heads[L].
+        self.exit_adapters: dict[int, _Layer] = {}
         self._placed: dict[tuple[str, torch.dtype], NativeLM] = {}  # see ``to``
         # RoPE tables exactly as HF's default rope: fp32 angles, cast to the model dtype.
         inv_freq = 1.0 / (
@@ -303,12 +306,25 @@ class NativeLM:
             self.info.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
 
-    def set_exit_heads(self, heads: dict[int, nn.Module], path: str | None = None) -> None:
-        """Replace the exit heads (already on this model's device/dtype); copies of this
-        model on other devices are dropped, so the next ``to`` carries the new heads."""
+    def set_exit_heads(self, heads: dict[int, nn.Module], path: str | None = None,
+                       adapters: dict[int, _Layer] | None = None) -> None:
+        """Replace the exit heads (already on this model's device/dtype) and the layers of
+        the attention adapters among them (``adapters``: exit -> layer, each exit also in
+        ``heads``); copies of this model on other devices are dropped, so the next ``to``
+        carries the new heads."""
+        adapters = dict(adapters or {})
+        stray = sorted(set(adapters) - set(heads))
+        if stray:
+            raise ConfigError(f"adapter layers at exits {stray} have no exit head")
         self.exit_heads = heads
         self.exit_heads_path = path
+        self.exit_adapters = adapters
         self._placed.clear()
+
+    def exit_adapter(self, exit_layer: int) -> LayerAdapter | None:
+        """The attention adapter at ``exit_layer``, or ``None`` (``LayeredLM`` doc)."""
+        layer = self.exit_adapters.get(exit_layer)
+        return None if layer is None else LayerAdapter(self, layer)
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> NativeLM:
         """This model's weights on ``device`` / ``dtype`` (``self`` when nothing changes;
@@ -357,6 +373,10 @@ class NativeLM:
                 e: copy.deepcopy(m).to(device=device, dtype=dtype)
                 for e, m in self.exit_heads.items()
             }
+            moved.exit_adapters = {
+                e: _Layer(**{f.name: mv_matrix(getattr(w, f.name)) for f in fields(_Layer)})
+                for e, w in self.exit_adapters.items()
+            }
         self._placed[key] = moved
         return moved
 
@@ -375,9 +395,16 @@ class NativeLM:
         whole batch); keys/values are written and attended by the batch's backend (its
         ``AttendedKV``s name it: contiguous, paged or static).
         """
+        return self.forward_layer(self.layers[layer], hidden, batch, memo)
+
+    @torch.inference_mode()
+    def forward_layer(
+        self, w: _Layer, hidden: torch.Tensor, batch: LayerBatch, memo: dict
+    ) -> torch.Tensor:
+        """``run_layer`` with the weights ``w`` (one of this model's layers, or an adapter's:
+        the one decoder-layer function of the module doc)."""
         attention = batch[0][0].attention
         rows = attention.positions(batch, memo)  # [N] positions (a slice for one sequence)
-        w = self.layers[layer]
         n = hidden.shape[0]
         nh, kh, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.hidden_size
@@ -415,3 +442,22 @@ class NativeLM:
         if exit_head is not None:
             return exit_head(hidden)  # [T, H]
         return F.rms_norm(hidden, (self.hidden_size,), self.final_norm, self.eps)  # [T, H]
+
+
+@dataclass(frozen=True)
+class LayerAdapter:
+    """An attention adapter's layer at one exit of a ``NativeLM`` (an ``ExitAdapter``):
+    one decoder layer run by the model's own layer function over its own keys/values
+    (``specflow.models.adapter_head`` has the math)."""
+
+    lm: NativeLM
+    layer: _Layer
+
+    @property
+    def kv(self) -> KVSpec:
+        """One layer of the model's key/value shape (a request's cache: ``KVCache(kv, n)``)."""
+        return replace(self.lm.kv, num_layers=1)
+
+    def run(self, hidden: torch.Tensor, batch: LayerBatch, memo: dict) -> torch.Tensor:
+        """``h_L [N, H] -> a [N, H]`` for a ragged batch of the adapter's caches."""
+        return self.lm.forward_layer(self.layer, hidden, batch, memo)

@@ -56,6 +56,10 @@ class LayerSkipView:
         # The weights of model layer kept[layer]; the keys/values of the view's own layer.
         return self.model.run_layer(self.kept[layer], hidden, batch, memo)
 
+    def exit_adapter(self, exit_layer: int) -> None:
+        """No adapters: the view drafts from its last layer only."""
+        return None
+
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
         # The view's last layer feeds the model's final norm + LM head.
         return self.model.head(hidden, self.model.info.num_layers)
