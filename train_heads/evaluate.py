@@ -20,14 +20,23 @@ correction or bonus token) and the next round starts at ``i + a + 1``.
     τ = (tokens produced) / (rounds)    over all eval sequences (ratio of sums)
 
 Also reported: ``tau_iid = (1 - α^{k+1}) / (1 - α)`` from the agreement α alone.
+
+Attention adapters (``AdapterHead``): ``adapted_cache`` runs each adapter over every whole
+held-out sequence (from position 0: the prefix is context) and puts its outputs ``a_L`` in
+place of ``h_L``; ``evaluate_exits`` on that cache, with the adapters' position-wise part
+(``RMSNorm_g``, what ``lm.head`` applies at an attached adapter's exit), gives the same
+metrics on the same rows.  Teacher-forced evaluation is exact for an adapter too: drafting
+along the target's sequence feeds it the true ``h_L`` of every earlier token.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from specflow.models.adapter_head import AdapterHead
 from train_heads.cache import HiddenCache
 from train_heads.losses import full_kl
 
@@ -124,6 +133,36 @@ def evaluate_exits(
             agree_all=float(torch.cat(stats[layer]["agree_all"]).float().mean()),
         )
     return out
+
+
+@torch.no_grad()
+def adapted_cache(cache: HiddenCache, adapters: Mapping[int, AdapterHead], split: int = 1
+                  ) -> HiddenCache:
+    """The sequences of ``split`` alone (in order, as split 1 of a smaller cache), with
+    ``hidden[L]`` the adapter's output ``a_L`` for every ``L`` in ``adapters``: each sequence
+    one unpadded batch, float32 (the other cached layers are kept as they are)."""
+    seqs = cache.sequences(split)
+    starts, ends = cache.offsets[seqs], cache.offsets[[s + 1 for s in seqs]]
+    lengths = ends - starts
+    rows = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(starts, ends, strict=True)])
+    hidden = {layer: h[rows] for layer, h in cache.hidden.items()}
+    for layer, head in adapters.items():
+        was = head.training
+        head.eval()
+        hidden[layer] = torch.cat([
+            head.sequence(cache.hidden[layer][int(a) : int(b)].float()[None],
+                          torch.ones(1, int(b - a), dtype=torch.bool))[0]
+            for a, b in zip(starts, ends, strict=True)
+        ])
+        head.train(was)
+    return replace(
+        cache, tokens=cache.tokens[rows], next_token=cache.next_token[rows],
+        seq_id=torch.repeat_interleave(torch.arange(len(seqs)), lengths),
+        generated=cache.generated[rows],
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]),
+        split=torch.ones(len(seqs), dtype=torch.long), prompt_len=cache.prompt_len[seqs],
+        hidden=hidden, topk_logp=cache.topk_logp[rows], topk_ids=cache.topk_ids[rows],
+    )
 
 
 def metrics_table(

@@ -1,4 +1,5 @@
-"""The ``LightningModule``: frozen base (only its LM head is needed), trainable exit heads.
+"""The ``LightningModule``: frozen base (only its LM head is needed), trainable exit heads or
+attention adapters (whole sequences: ``ExitHeadDistiller.batch_logits``).
 
 For each exit ``L`` and cached position with hidden state ``h_L``, the student logits are
 ``z_L = W_lm · E_L(h_L)`` (``E_L`` an ``ExitHead``, ``W_lm`` the frozen shared LM head) and
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specflow.models.adapter_head import AdapterHead
 from specflow.models.exit_heads import ExitHead
 from train_heads.losses import topk_kl
 
@@ -41,7 +43,7 @@ class ExitHeadDistiller(L.LightningModule):
     def __init__(
         self,
         lm_head: torch.Tensor,
-        heads: dict[int, ExitHead],
+        heads: dict[int, ExitHead] | dict[int, AdapterHead],
         kl_weight: float = 1.0,
         ce_weight: float = 0.0,
         lr: float = 1e-3,
@@ -54,7 +56,7 @@ class ExitHeadDistiller(L.LightningModule):
         self.register_buffer("lm_head", lm_head.detach(), persistent=False)
         self.layers = sorted(heads)
 
-    def exit_heads(self) -> dict[int, ExitHead]:
+    def exit_heads(self) -> dict[int, nn.Module]:
         """The heads, keyed by exit layer."""
         return {int(k): v for k, v in self.heads.items()}
 
@@ -63,12 +65,27 @@ class ExitHeadDistiller(L.LightningModule):
         x = self.heads[str(layer)](hidden.to(self.lm_head.dtype))
         return F.linear(x, self.lm_head)
 
+    def batch_logits(self, layer: int, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Student logits ``[R, V]`` at exit ``layer`` for the batch's R loss rows.
+
+        An exit head reads its rows ``h_L [R, H]``; an attention adapter reads a batch of padded
+        whole sequences (``train_heads.datamodule.SequencesDataset``): it runs over every row
+        (``AdapterHead.sequence``: causal attention over the rows before, padding masked out
+        of the keys) and the loss rows are ``loss_mask``'s, ``z = W_lm · RMSNorm_g(a)``.
+        """
+        head = self.heads[str(layer)]
+        if not isinstance(head, AdapterHead):
+            return self.logits(layer, batch[f"h{layer}"])
+        adapted = head.sequence(batch[f"h{layer}"].to(self.lm_head.dtype),
+                                batch["key_valid"])  # [B, T, H]
+        return F.linear(head(adapted[batch["loss_mask"]]), self.lm_head)  # [R, V]
+
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         hp = self.hparams
         total = torch.zeros((), device=self.lm_head.device)
         n = batch["next"].shape[0]
         for layer in self.layers:
-            z = self.logits(layer, batch[f"h{layer}"])
+            z = self.batch_logits(layer, batch)
             kl = topk_kl(z, batch["topk_logp"], batch["topk_ids"]).mean()
             loss = hp.kl_weight * kl
             if hp.ce_weight:

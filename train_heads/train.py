@@ -13,6 +13,12 @@ Steps (each timed and written to ``<run dir>/report.md`` and ``metrics.json``):
 6. save the heads (safetensors + metadata) to the run dir and, with ``output.install``, to
    ``~/.cache/specflow/heads/<model>/heads.safetensors`` where specflow finds them.
 
+``head=adapter`` trains attention adapters (``specflow.models.adapter_head.AdapterHead``, one
+decoder layer at each exit, initialised from the target's layer L) on the same cache, in
+batches of whole sequences (``train_heads.datamodule.AdapterDataModule``); steps 3 and 5
+run each adapter over every whole held-out sequence (``evaluate_adapters``), and step 3 also
+reports the cut model at the exit (``cut``).
+
 Several processes (``trainer=ddp_cpu``, or ``trainer.devices=8 trainer.strategy=ddp`` on a
 GPU node, ``+launcher=slurm`` across nodes): Lightning starts one process per device, each
 running this job with ``LOCAL_RANK``/``RANK`` set (under SLURM, one task per device).  Rank 0
@@ -24,6 +30,7 @@ GPUs).  Each rank logs to its own file in the run dir (``train_ddp_process_<r>.l
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -43,6 +50,7 @@ import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from specflow.errors import ConfigError  # noqa: E402
+from specflow.models.adapter_head import AdapterHead  # noqa: E402
 from specflow.models.exit_heads import (  # noqa: E402
     ExitHead,
     attach_heads,
@@ -57,7 +65,13 @@ from train_heads.cache import (  # noqa: E402
     find_cached,
     layers_filename,
 )
-from train_heads.evaluate import as_dict, evaluate_exits, metrics_table  # noqa: E402
+from train_heads.evaluate import (  # noqa: E402
+    ExitMetrics,
+    adapted_cache,
+    as_dict,
+    evaluate_exits,
+    metrics_table,
+)
 from train_heads.exit_data import (  # noqa: E402
     exit_data_from_features,
     feature_data_dir,
@@ -189,6 +203,26 @@ def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Pro
     return cache, {"cache": str(path), "built": True, **timings}
 
 
+def evaluate_adapters(lm: Any, adapters: dict[int, AdapterHead], cache: HiddenCache, k: int,
+                      skip: int) -> dict[int, ExitMetrics]:
+    """``evaluate_exits`` for attention adapters: their outputs over every whole held-out
+    sequence (``adapted_cache``), through ``lm.head`` with copies of them attached (the
+    inference path's position-wise part; the adapters themselves stay float32 and
+    unattached).  ``lm``'s exit heads are cleared afterwards."""
+    attach_heads(lm, {layer: copy.deepcopy(h) for layer, h in adapters.items()})
+    try:
+        return evaluate_exits(lm.head, adapted_cache(cache, adapters), sorted(adapters), k, skip)
+    finally:
+        lm.set_exit_heads({})
+
+
+def cut_table(cut: dict[int, ExitMetrics], num_layers: int, k: int) -> str:
+    """The cut model at each exit (final norm + LM head, no adapter): a reference line."""
+    return "Without the adapter (final norm + LM head at the exit): " + "; ".join(
+        f"exit {layer}: agree {m.agree:.1%}, KL {m.kl:.3f}, τ@k={k} {m.tau:.2f}"
+        for layer, m in sorted(cut.items()))
+
+
 def make_logger(cfg: DictConfig, out_dir: Path):
     """The Lightning logger named by ``logger.kind``: csv, wandb (offline by default), none."""
     kind = cfg.kind
@@ -221,7 +255,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-    from train_heads.datamodule import ExitDataModule
+    from train_heads.datamodule import AdapterDataModule, ExitDataModule
     from train_heads.module import ExitHeadDistiller
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -263,20 +297,33 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         log.info("layers %s; %d rows (%d train rows), skip %d", layers, cache.num_rows,
                  int(cache.rows(0, skip=skip).numel()), skip)
 
-        before = None
+        adapter = cfg.head.head_type == AdapterHead.head_type
+        before = cut = None
+        if adapter:  # attention adapters, initialised from the target's layers L (exit L+1)
+            heads = {layer: AdapterHead.from_target(lm, layer) for layer in layers}
         if rank == 0:  # the other ranks only train
             t0 = time.perf_counter()
-            before = evaluate_exits(lm.head, cache, layers, cfg.eval_k, skip)
+            cut = evaluate_exits(lm.head, cache, layers, cfg.eval_k, skip)
+            before = evaluate_adapters(lm, heads, cache, cfg.eval_k, skip) if adapter else cut
             times["eval_before_s"] = time.perf_counter() - t0
 
-        heads = {
-            layer: ExitHead(info.hidden_size, cfg.head.head_type, cfg.head.rank, lm.eps,
-                            lm.final_norm)
-            for layer in layers
-        }
-        module = ExitHeadDistiller(lm.lm_head, heads, **cfg.loss, **cfg.optim)
-        dm = ExitDataModule(cache, layers, cfg.data.batch_size, skip, cfg.data.val_max_rows,
-                            cfg.seed)
+        optim = OmegaConf.to_container(cfg.optim, resolve=True)
+        if cfg.head.get("optim"):  # the head's own settings (head=adapter)
+            optim.update(OmegaConf.to_container(cfg.head.optim, resolve=True))
+        if adapter:
+            module = ExitHeadDistiller(lm.lm_head, heads, **cfg.loss, **optim)
+            dm = AdapterDataModule(cache, layers, int(cfg.head.batch_rows),
+                                   int(cfg.head.batch_sequences), skip, cfg.data.val_max_rows,
+                                   cfg.seed, int(cfg.head.get("pool") or 0))
+        else:
+            heads = {
+                layer: ExitHead(info.hidden_size, cfg.head.head_type, cfg.head.rank, lm.eps,
+                                lm.final_norm)
+                for layer in layers
+            }
+            module = ExitHeadDistiller(lm.lm_head, heads, **cfg.loss, **optim)
+            dm = ExitDataModule(cache, layers, cfg.data.batch_size, skip,
+                                cfg.data.val_max_rows, cfg.seed)
         callbacks: list = [TQDMProgressBar(refresh_rate=1)] if cfg.progress else []
         ckpt = None
         if cfg.checkpoint.enabled:
@@ -308,12 +355,17 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             log.info("restored best checkpoint %s", ckpt.best_model_path)
         heads = {k: v.cpu() for k, v in module.exit_heads().items()}
 
-        attach_heads(lm, heads)
         t0 = time.perf_counter()
-        after = evaluate_exits(lm.head, cache, layers, cfg.eval_k, skip)
+        if adapter:
+            after = evaluate_adapters(lm, heads, cache, cfg.eval_k, skip)
+        else:
+            attach_heads(lm, heads)
+            after = evaluate_exits(lm.head, cache, layers, cfg.eval_k, skip)
         times["eval_after_s"] = time.perf_counter() - t0
 
         table = metrics_table(before, after, info.num_layers, cfg.eval_k)
+        if adapter:
+            table += "\n\n" + cut_table(cut, info.num_layers, cfg.eval_k)
         result = {
             "model": info.name, "weights_fingerprint": info.weights_fingerprint,
             "layers": layers, "head": OmegaConf.to_container(cfg.head),
@@ -325,8 +377,17 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             "threads": torch.get_num_threads(),
             "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__,
         }
+        if adapter:  # the cut model at each exit (final norm + LM head), for reference
+            result["cut"] = as_dict(cut)
+            result["adapter"] = {
+                "optim": optim, "train_sequences": sum(map(len, dm.train_batches)),
+                "train_batches": len(dm.train_batches),
+                "train_padded_rows": dm.padded_rows(dm.train_batches),
+                "val_sequences": sum(map(len, dm.val_batches)),
+                "train_s_per_step": times["train_s"] / max(int(trainer.global_step), 1),
+            }
         extra = {k: result[k] for k in ("before", "after", "train_steps", "train_rows",
-                                         "eval_prompt_ids", "times_s")}
+                                         "eval_prompt_ids", "times_s", "cut") if k in result}
         extra["config"] = OmegaConf.to_container(cfg, resolve=True)
         path = save_heads(out_dir / "heads.safetensors", heads, info, extra=extra)
         result["heads_path"] = str(path)
@@ -337,8 +398,9 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             shutil.copyfile(path.with_suffix(".json"), dest.with_suffix(".json"))
             result["installed_path"] = str(dest)
         (out_dir / "metrics.json").write_text(json.dumps(result, indent=2, default=str))
+        title = "Attention adapters" if adapter else "Exit heads"
         (out_dir / "report.md").write_text(
-            f"# Exit heads for {info.name}\n\n{table}\n\nTimes (s): "
+            f"# {title} for {info.name}\n\n{table}\n\nTimes (s): "
             f"{json.dumps({k: round(v, 1) for k, v in times.items()})}\n"
         )
         log.info("\n%s\ntimes %s", table, {k: round(v, 1) for k, v in times.items()})
