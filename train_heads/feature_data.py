@@ -6,11 +6,14 @@ Phase ``data`` of ``head=feature`` (``train_heads.feature_job``):
   HumanEval), in the chat template, each answered greedily by the target
   (``generate_with_hidden``: batched decoding, every position's ``h_N`` kept);
 - held-out prompts: Spec-Bench dev questions (never trained on), answered the same way;
-  their generated positions measure agreement.
+  their generated positions measure agreement;
+- with ``head.data.specbench_train``, also the other Spec-Bench dev questions (the ones not
+  held out), answered the same way and added to the training sequences.
 
-Written in chunks (``chunk_<i>.safetensors`` under a folder keyed by the model's weights
-and the data config), so an interrupted run resumes at the next chunk and a rerun loads
-everything without running the model.  A sequence of ``L`` tokens has ``L - 1`` feature
+Written in chunks (``train_<i>``, ``heldout_<i>``, ``specbench<N>_<i>.safetensors`` with
+``N`` the answers' token budget, under a folder keyed by the model's weights and the data
+config), so an interrupted run resumes at the next chunk and a rerun loads everything
+without running the model.  A sequence of ``L`` tokens has ``L - 1`` feature
 rows (the last token is never fed back).
 """
 
@@ -52,6 +55,13 @@ class FeatureSequences:
         t0, t1 = int(self.tok_offsets[i]), int(self.tok_offsets[i + 1])
         f0, f1 = int(self.feat_offsets[i]), int(self.feat_offsets[i + 1])
         return self.tokens[t0:t1], self.feats[f0:f1], int(self.prompt_len[i])
+
+    @classmethod
+    def empty(cls, hidden_size: int) -> FeatureSequences:
+        """No sequences (features of width ``hidden_size``)."""
+        zero = torch.zeros(1, dtype=torch.long)
+        return cls(torch.zeros(0, dtype=torch.long), zero, torch.zeros(0, hidden_size), zero,
+                   torch.zeros(0, dtype=torch.long))
 
     @classmethod
     def from_generated(cls, gens: list[Any], layer: int) -> FeatureSequences:
@@ -96,7 +106,8 @@ def generate_chunked(lm: Any, prompts: list[list[int]], directory: Path, name: s
                      max_new_tokens: int, batch_size: int, chunk: int, eos: tuple[int, ...]
                      ) -> tuple[FeatureSequences, dict[str, float]]:
     """Answer ``prompts`` greedily with ``lm``, keeping ``h_N``; chunks of ``chunk`` prompts
-    are saved as ``<directory>/<name>_<i>.safetensors`` and reused when present."""
+    are saved as ``<directory>/<name>_<i>.safetensors`` and reused when present.  No prompts:
+    empty sequences."""
     from train_heads.generate import generate_with_hidden
 
     n = lm.info.num_layers
@@ -120,7 +131,7 @@ def generate_chunked(lm: Any, prompts: list[list[int]], directory: Path, name: s
         log.info("[data] %s chunk %d/%d: %d positions in %.0f s (%.1f ms/position); %d so far",
                  name, c + 1, num_chunks, part.num_positions, spent,
                  1000 * spent / max(part.num_positions, 1), done)
-    seqs = FeatureSequences.concat(parts)
+    seqs = FeatureSequences.concat(parts) if parts else FeatureSequences.empty(lm.info.hidden_size)
     return seqs, {f"{name}_built_s": built_s, f"{name}_built_positions": built_pos}
 
 

@@ -4,7 +4,8 @@ Phases (each timed into ``report.md`` / ``metrics.json``):
 
 1. data: the target answers the local-text training prompts and the held-out Spec-Bench
    questions greedily, keeping ``h_N`` (``train_heads.feature_data``; chunked cache: a rerun
-   loads it, an interrupted run resumes);
+   loads it, an interrupted run resumes); with ``head.data.specbench_train``, also the
+   Spec-Bench dev questions that are not held out, added to the training sequences;
 2. draft vocabulary: the most frequent tokens of the training sequences;
 3. evaluate the untrained head (initialised from the target's last layer) on the held-out
    answers: agreement with the target's greedy tokens, KL, simulated τ at ``eval_k``;
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specflow.errors import ConfigError
 from specflow.kv.contiguous import KVCache
 from specflow.models.feature_head import (
     FeatureDraftModel,
@@ -42,10 +44,30 @@ from train_heads.feature_data import (
     generate_chunked,
 )
 from train_heads.local_prompts import local_prompts
-from train_heads.prompts import chat_ids, shared_prefix, specbench_prompts
+from train_heads.prompts import Prompt, chat_ids, shared_prefix, specbench_split
 
 log = logging.getLogger("train_heads")
 DATA_VERSION = 1
+# ``head.data`` keys left out of the cache folder's key: the local prompts' chunks are a
+# prefix-stable sequence (``num_prompts``), and the Spec-Bench training answers have their own
+# chunk name (``specbench<N>_<i>``), so neither changes the folder an existing config uses.
+KEY_EXCLUDED = ("num_prompts", "specbench_train", "specbench_max_new_tokens")
+
+
+def feature_data_key(model: str, weights_fingerprint: str, dtype: str,
+                     data: dict[str, Any]) -> str:
+    """The key of the feature data cache folder ``feature-<key>``: the model, its weights,
+    the dtype and ``head.data`` without ``KEY_EXCLUDED``."""
+    return data_key({"version": DATA_VERSION, "model": model, "weights": weights_fingerprint,
+                     "dtype": dtype,
+                     "data": {k: v for k, v in data.items() if k not in KEY_EXCLUDED}})
+
+
+def check_disjoint(train: list[Prompt], held: list[Prompt]) -> None:
+    """``ConfigError`` if a Spec-Bench question to train on is also held out."""
+    both = sorted({p.prompt_id for p in train} & {p.prompt_id for p in held})
+    if both:
+        raise ConfigError(f"Spec-Bench questions {both} are both trained on and held out")
 
 
 @torch.no_grad()
@@ -151,30 +173,53 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     times: dict[str, float] = {}
     # ---------------------------------------------------------------- 1. data
     t0 = time.perf_counter()
-    train_prompts = local_prompts(int(hc.data.num_prompts), seed=int(hc.data.seed))
+    num_prompts = int(hc.data.num_prompts)
+    use_specbench = bool(hc.data.get("specbench_train", False))
+    if num_prompts <= 0 and not use_specbench:
+        raise ConfigError("head.data.num_prompts=0 leaves nothing to train on; set "
+                          "head.data.specbench_train=true or num_prompts > 0")
+    train_prompts = local_prompts(num_prompts, seed=int(hc.data.seed)) if num_prompts > 0 else []
     train_ids = [ids for ids in (chat_ids(tok, p.content) for p in train_prompts)
                  if len(ids) <= int(hc.data.max_prompt_tokens)]
-    held = [p for i, p in enumerate(specbench_prompts(tok, None, int(hc.data.eval_prompt_tokens)))
-            if i % int(hc.data.eval_every) == int(hc.data.eval_offset)]
-    key = data_key({"version": DATA_VERSION, "model": info.name,
-                    "weights": info.weights_fingerprint, "dtype": str(lm.dtype),
-                    "data": {k: v for k, v in OmegaConf.to_container(hc.data, resolve=True).items()
-                             if k != "num_prompts"}})  # chunks are a prefix-stable sequence
+    # Spec-Bench dev question i is held out iff i % eval_every == eval_offset; the others
+    # are trained on with specbench_train
+    sb_train, held = specbench_split(tok, int(hc.data.eval_prompt_tokens),
+                                     int(hc.data.eval_every), int(hc.data.eval_offset))
+    if not held:
+        raise ConfigError(f"no held-out Spec-Bench question (head.data.eval_every="
+                          f"{hc.data.eval_every}, eval_offset={hc.data.eval_offset})")
+    sb_train = sb_train if use_specbench else []
+    check_disjoint(sb_train, held)
+    key = feature_data_key(info.name, info.weights_fingerprint, str(lm.dtype),
+                           OmegaConf.to_container(hc.data, resolve=True))
     directory = data_cache_dir(cfg.data.cache_dir) / Path(info.name).name / f"feature-{key}"
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "key.json").write_text(json.dumps(OmegaConf.to_container(hc.data), indent=2))
-    train, t_train = generate_chunked(lm, train_ids, directory, "train",
+    local, t_train = generate_chunked(lm, train_ids, directory, "train",
                                       int(hc.data.max_new_tokens), int(hc.data.gen_batch_size),
                                       int(hc.data.chunk), info.eos_token_ids)
     val, t_val = generate_chunked(lm, [p.ids for p in held], directory, "heldout",
                                   int(hc.data.eval_max_new_tokens), int(hc.data.gen_batch_size),
                                   int(hc.data.chunk), info.eos_token_ids)
+    sb_new = int(hc.data.get("specbench_max_new_tokens", 192))
+    sb_name = f"specbench{sb_new}"  # the answers' length is part of the chunks' identity
+    sb, t_sb = generate_chunked(lm, [p.ids for p in sb_train], directory, sb_name, sb_new,
+                                int(hc.data.gen_batch_size), int(hc.data.chunk),
+                                info.eos_token_ids)
+    t_sb = {k.replace(sb_name, "specbench", 1): v for k, v in t_sb.items()}
+    train = FeatureSequences.concat([local, sb])
+    if train.num_seqs == 0:
+        raise ConfigError("no training sequences (every local prompt is longer than "
+                          "head.data.max_prompt_tokens, and no Spec-Bench question to train on)")
     times["data_s"] = time.perf_counter() - t0
     skip = shared_prefix(held)
     n_train_rows = train.num_positions
-    log.info("data: %d training sequences, %d positions; %d held-out (%d positions); %s",
-             train.num_seqs, n_train_rows, val.num_seqs, val.num_positions, {**t_train, **t_val})
+    log.info("data: %d training sequences, %d positions (local text %d / %d, Spec-Bench %d / "
+             "%d); %d held-out (%d positions); %s", train.num_seqs, n_train_rows, local.num_seqs,
+             local.num_positions, sb.num_seqs, sb.num_positions, val.num_seqs,
+             val.num_positions, {**t_train, **t_val, **t_sb})
     # ---------------------------------------------------------------- 2. vocabulary
+    # (of the combined training set; with init_from, the saved head's is kept)
     vocab_ids, vocab_info = draft_vocabulary(train, int(hc.vocab_size), info.vocab_size,
                                              info.eos_token_ids)
     torch.manual_seed(int(cfg.seed))
@@ -218,23 +263,34 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     after = evaluate_head(head, lm, val, skip, int(cfg.eval_k))
     times["eval_after_s"] = time.perf_counter() - t0
+    source = " + ".join(
+        ([f"{local.num_seqs} local-text prompts (train_heads.local_prompts)"] if num_prompts > 0
+         else [])
+        + ([f"{sb.num_seqs} Spec-Bench dev questions not held out (first turn cut to "
+            f"{hc.data.eval_prompt_tokens} tokens, {sb_new}-token answers)"] if sb_train else [])
+    ) + ", answered greedily by the target"
     result = {
         "model": info.name, "weights_fingerprint": info.weights_fingerprint,
         "head": OmegaConf.to_container(hc, resolve=True), "before": before, "after": after,
-        "times_s": times, "data": {**t_train, **t_val, "cache": str(directory),
+        "times_s": times, "data": {**t_train, **t_val, **t_sb, "cache": str(directory),
                                    "train_sequences": train.num_seqs,
                                    "train_positions": n_train_rows,
+                                   "train_local_sequences": local.num_seqs,
+                                   "train_local_positions": local.num_positions,
+                                   "train_specbench_sequences": sb.num_seqs,
+                                   "train_specbench_positions": sb.num_positions,
+                                   "specbench_chunks": f"{sb_name}_*" if sb_train else None,
                                    "heldout_sequences": val.num_seqs,
                                    "heldout_positions": val.num_positions,
-                                   "source": "local-text prompts (train_heads.local_prompts), "
-                                             "answered greedily by the target"},
+                                   "source": source},
         "vocab": vocab_info, "skip_prefix": skip, "train_steps": int(trainer.global_step),
         "heldout_prompt_ids": [p.prompt_id for p in held],
+        "train_specbench_ids": [p.prompt_id for p in sb_train],
         "threads": torch.get_num_threads(), "curve": module.curve,
     }
     plot_curve(module.curve, out_dir / "agreement_vs_positions.png", info.name)
     extra = {k: result[k] for k in ("before", "after", "times_s", "data", "vocab",
-                                     "heldout_prompt_ids", "train_steps")}
+                                     "heldout_prompt_ids", "train_specbench_ids", "train_steps")}
     path = save_feature_head(out_dir / "feature_head.safetensors", head, info, extra=extra)
     result["head_path"] = str(path)
     if cfg.output.install:

@@ -70,6 +70,22 @@ def specbench_prompts(
     return out
 
 
+def specbench_split(
+    tokenizer: Any,
+    max_prompt_tokens: int = 64,
+    eval_every: int = 6,
+    eval_offset: int = 5,
+    path: str | None = None,
+) -> tuple[list[Prompt], list[Prompt]]:
+    """The Spec-Bench dev questions as ``(train, held_out)``, built as ``specbench_prompts``
+    builds them (first turn cut to ``max_prompt_tokens`` content tokens, chat template):
+    question ``i`` is held out iff ``i % eval_every == eval_offset``, every other one is in
+    ``train``; the two are disjoint and together are the whole file."""
+    prompts = specbench_prompts(tokenizer, path, max_prompt_tokens, eval_every=eval_every,
+                                eval_offset=eval_offset)
+    return [p for p in prompts if p.split == 0], [p for p in prompts if p.split == 1]
+
+
 def random_prompts(
     num_prompts: int, prompt_len: int, vocab_size: int, eval_every: int = 4,
     eval_offset: int = 3, seed: int = 0, avoid: tuple[int, ...] = (),
