@@ -76,6 +76,8 @@ from train_heads.exit_data import (  # noqa: E402
     exit_data_from_features,
     feature_data_dir,
     feature_prompts,
+    train_chunk_names,
+    trained_specbench_ids,
 )
 from train_heads.prompts import Prompt, random_prompts, shared_prefix, specbench_prompts  # noqa: E402,E501
 
@@ -108,9 +110,11 @@ def load_prompts(data: DictConfig, loaded: Any) -> list[Prompt]:
                               data.eval_every, data.eval_offset, data.seed,
                               loaded.info.eos_token_ids)
     if data.source == "feature":  # the feature head's cached sequences (train_heads.exit_data)
+        names = train_chunk_names(data)
         directory = feature_data_dir(
-            data_cache_dir(data.cache_dir) / Path(loaded.info.name).name, data.feature_dir)
-        return feature_prompts(directory)
+            data_cache_dir(data.cache_dir) / Path(loaded.info.name).name, data.feature_dir,
+            names[0])
+        return feature_prompts(directory, names, loaded.tokenizer)
     raise ConfigError(f"data.source={data.source!r} is unknown; use specbench, random or "
                       "feature")
 
@@ -152,6 +156,13 @@ def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Pro
     for k in ("batch_size", "val_max_rows", "cache_dir", "gen_batch_size", "wait_for_cache_s",
               "max_train_positions"):  # training-time choices: one cache serves them all
         key_parts["data"].pop(k, None)
+    # data=feature's training sources: at their defaults (local text only) they stay out of
+    # the key, so the caches built before they existed keep their folder; any other choice
+    # is in it (its own folder)
+    if key_parts["data"].get("specbench") is None:
+        key_parts["data"].pop("specbench", None)
+    if key_parts["data"].get("local") is True:
+        key_parts["data"].pop("local", None)
     directory = data_cache_dir(data.cache_dir) / Path(info.name).name / cache_key(key_parts)
     found = find_cached(directory, layers + [info.num_layers])
     if found is None and process_rank() != 0:
@@ -168,11 +179,14 @@ def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Pro
     n = info.num_layers
     if data.source == "feature":  # teacher-forced exit states over the cached sequences
         t0 = time.perf_counter()
-        source = feature_data_dir(directory.parent, data.feature_dir)
-        gens, splits = exit_data_from_features(lm, source, layers)
+        names = train_chunk_names(data)
+        source = feature_data_dir(directory.parent, data.feature_dir, names[0])
+        gens, splits = exit_data_from_features(lm, source, layers, names)
         timings["exit_states_s"] = time.perf_counter() - t0
-        ids = [f"train/{i}" for i in range(splits.count(0))] + [
-            f"heldout/{i}" for i in range(splits.count(1))]
+        # train/<i>, specbench/<question id>, heldout/<i> (exit_data.feature_prompts)
+        ids = [p.prompt_id for p in prompts]
+        if [p.split for p in prompts] != splits:
+            raise ConfigError(f"the feature data in {source} changed while it was read; rerun")
         meta = {"model": info.name, "weights_fingerprint": info.weights_fingerprint,
                 "prompt_ids": ids, "key": key_parts, "feature_data": str(source)}
     else:
@@ -293,6 +307,9 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         cache, cache_info = get_cache(cfg, loaded, layers, prompts)
         if cfg.data.get("max_train_positions"):
             cache = cache.limit_train(int(cfg.data.max_train_positions))
+        specbench_ids = None
+        if cfg.data.source == "feature":  # the Spec-Bench questions trained on (data.specbench)
+            specbench_ids = trained_specbench_ids(prompts, cache.split.tolist())
         times["data_s"] = time.perf_counter() - t0
         log.info("layers %s; %d rows (%d train rows), skip %d", layers, cache.num_rows,
                  int(cache.rows(0, skip=skip).numel()), skip)
@@ -373,6 +390,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             "times_s": times, "cache": cache_info, "skip_prefix": skip,
             "train_rows": int(dm.train_rows.numel()), "val_rows": int(dm.val_rows.numel()),
             "eval_prompt_ids": [p.prompt_id for p in prompts if p.split == 1],
+            **({} if specbench_ids is None else {"train_specbench_ids": specbench_ids}),
             "train_steps": int(trainer.global_step), "peak_rss_gb": _peak_rss_gb(),
             "threads": torch.get_num_threads(),
             "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__,
@@ -387,7 +405,8 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
                 "train_s_per_step": times["train_s"] / max(int(trainer.global_step), 1),
             }
         extra = {k: result[k] for k in ("before", "after", "train_steps", "train_rows",
-                                         "eval_prompt_ids", "times_s", "cut") if k in result}
+                                         "eval_prompt_ids", "train_specbench_ids", "times_s",
+                                         "cut") if k in result}
         extra["config"] = OmegaConf.to_container(cfg, resolve=True)
         path = save_heads(out_dir / "heads.safetensors", heads, info, extra=extra)
         result["heads_path"] = str(path)
