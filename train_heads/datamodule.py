@@ -46,6 +46,21 @@ class RowsDataset(Dataset):
         return batch
 
 
+def loss_rows(cache: HiddenCache, layers: list[int], skip: int, val_max_rows: int | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows heads train and validate on: every position of the train sequences after the
+    shared prefix (``skip``), and the held-out generated positions after it (an evenly spaced
+    ``val_max_rows`` of them).  ``ValueError`` when a layer is not in the cache."""
+    missing = [layer for layer in layers if layer not in cache.hidden]
+    if missing:
+        raise ValueError(f"layers {missing} are not in the cache (has {cache.layers})")
+    val = cache.rows(1, generated_only=True, skip=skip)
+    if val_max_rows is not None and val.shape[0] > val_max_rows:
+        pick = torch.linspace(0, val.shape[0] - 1, val_max_rows).round().long()
+        val = val[pick]
+    return cache.rows(0, skip=skip), val
+
+
 class ExitDataModule(L.LightningDataModule):
     """Train/val loaders over a ``HiddenCache`` (see module doc).
 
@@ -68,21 +83,13 @@ class ExitDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        missing = [layer for layer in layers if layer not in cache.hidden]
-        if missing:
-            raise ValueError(f"layers {missing} are not in the cache (has {cache.layers})")
         self.cache = cache
         self.layers = list(layers)
         self.batch_size = batch_size
         self.skip = skip
         self.val_max_rows = val_max_rows
         self.seed = seed
-        self.train_rows = cache.rows(0, skip=skip)
-        val = cache.rows(1, generated_only=True, skip=skip)
-        if val_max_rows is not None and val.shape[0] > val_max_rows:
-            pick = torch.linspace(0, val.shape[0] - 1, val_max_rows).round().long()
-            val = val[pick]
-        self.val_rows = val
+        self.train_rows, self.val_rows = loss_rows(cache, layers, skip, val_max_rows)
 
     def _loader(self, rows: torch.Tensor, shuffle: bool) -> DataLoader:
         ds = RowsDataset(self.cache, rows, self.layers)
@@ -220,21 +227,14 @@ class AdapterDataModule(L.LightningDataModule):
         pool: int = 64,
     ) -> None:
         super().__init__()
-        missing = [layer for layer in layers if layer not in cache.hidden]
-        if missing:
-            raise ValueError(f"layers {missing} are not in the cache (has {cache.layers})")
         if batch_rows < 1 or batch_sequences < 1:
             raise ValueError(f"batch_rows={batch_rows} and batch_sequences={batch_sequences} "
                              "must be >= 1")
         self.cache = cache
         self.layers = list(layers)
         self.skip = skip
-        self.train_rows = cache.rows(0, skip=skip)
-        val = cache.rows(1, generated_only=True, skip=skip)
-        if val_max_rows is not None and val.shape[0] > val_max_rows:
-            pick = torch.linspace(0, val.shape[0] - 1, val_max_rows).round().long()
-            val = val[pick]
-        self.val_rows = val
+        self.train_rows, self.val_rows = loss_rows(cache, layers, skip, val_max_rows)
+        val = self.val_rows
         lengths = (cache.offsets[1:] - cache.offsets[:-1]).tolist()
         train_seqs = torch.unique(cache.seq_id[self.train_rows]).tolist()
         perm = torch.randperm(len(train_seqs), generator=torch.Generator().manual_seed(seed))

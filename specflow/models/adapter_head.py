@@ -32,19 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specflow.errors import ConfigError
-from specflow.models.native import NativeLM, _Layer, dense, pack, packing_available
-
-
-def rope_tables(length: int, head_dim: int, theta: float, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin_signed [T, D]`` (float32) exactly as ``NativeLM`` builds them:
-    ``rope(x) = x * cos + roll(x, D/2) * sin_signed``."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float().to(device)
-                           / head_dim))
-    ang = torch.arange(length, device=device).float()[:, None] * inv
-    emb = torch.cat([ang, ang], dim=-1)
-    sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)]).to(device)
-    return emb.cos(), emb.sin() * sign
+from specflow.models.decoder_params import copy_from_native, rope_tables, to_native
+from specflow.models.native import NativeLM, _Layer, dense
 
 
 class AdapterHead(nn.Module):
@@ -100,23 +89,8 @@ class AdapterHead(nn.Module):
             raise ConfigError(f"{lm.info.name}: adapters support q/k/v biases only")
         head = cls(lm.hidden_size, nh, kh, d, w_gate_up.shape[0] // 2, float(lm.eps),
                    src.bqkv is not None, float(lm.rope_theta))
+        copy_from_native(head, src, nh, kh, d)
         with torch.no_grad():
-            q, k, v = dense(src.wqkv).float().split([nh * d, kh * d, kh * d])
-            head.q.weight.copy_(q)
-            head.k.weight.copy_(k)
-            head.v.weight.copy_(v)
-            if src.bqkv is not None:
-                bq, bk, bv = src.bqkv.float().split([nh * d, kh * d, kh * d])
-                head.q.bias.copy_(bq)
-                head.k.bias.copy_(bk)
-                head.v.bias.copy_(bv)
-            head.o.weight.copy_(dense(src.wo).float())
-            gate, up = w_gate_up.chunk(2)
-            head.gate.weight.copy_(gate)
-            head.up.weight.copy_(up)
-            head.down.weight.copy_(dense(src.w_down).float())
-            head.ln1.copy_(src.ln1.float())
-            head.ln2.copy_(src.ln2.float())
             head.out_norm.copy_(lm.final_norm.float())
         return head
 
@@ -162,23 +136,4 @@ class AdapterHead(nn.Module):
     def native_layer(self, device: torch.device, dtype: torch.dtype, packed: bool) -> _Layer:
         """The layer's weights as a ``NativeLM`` layer on ``device`` / ``dtype`` (packed when
         asked and oneDNN can)."""
-        packed = packed and packing_available(device, dtype)
-
-        def w(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach().to(device=device, dtype=dtype).contiguous()
-            return pack(t) if packed else t
-
-        def b(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().to(device=device, dtype=dtype)
-
-        with torch.no_grad():
-            bqkv = None
-            if self.qkv_bias:
-                bqkv = b(torch.cat([self.q.bias, self.k.bias, self.v.bias]))
-            return _Layer(
-                ln1=b(self.ln1), wqkv=w(torch.cat([self.q.weight, self.k.weight,
-                                                   self.v.weight])),
-                bqkv=bqkv, wo=w(self.o.weight), bo=None, ln2=b(self.ln2),
-                w_gate_up=w(torch.cat([self.gate.weight, self.up.weight])), b_gate_up=None,
-                w_down=w(self.down.weight), b_down=None,
-            )
+        return to_native(self, device, dtype, packed)

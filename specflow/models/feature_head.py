@@ -53,8 +53,9 @@ from torch import nn
 
 from specflow.errors import ConfigError
 from specflow.kv.base import KVSpec, LayerBatch, ModelInfo
+from specflow.models.decoder_params import copy_from_native, rope_tables, to_native
 from specflow.models.exit_heads import check_base_model, default_heads_path
-from specflow.models.native import NativeLM, _Layer, dense, linear, pack, packing_available
+from specflow.models.native import NativeLM, dense, linear, pack, packing_available
 
 FORMAT = "specflow-feature-head"
 FORMAT_VERSION = "1"
@@ -125,35 +126,13 @@ class FeatureHead(nn.Module):
             head.fc.weight.zero_()
             head.fc.weight[:, h:] = torch.eye(h)
             head.fc.bias.zero_()
-            wqkv = dense(last.wqkv).float()
-            q, k, v = wqkv.split([nh * d, kh * d, kh * d])
-            head.q.weight.copy_(q)
-            head.k.weight.copy_(k)
-            head.v.weight.copy_(v)
-            if last.bqkv is not None:
-                bq, bk, bv = last.bqkv.float().split([nh * d, kh * d, kh * d])
-                head.q.bias.copy_(bq)
-                head.k.bias.copy_(bk)
-                head.v.bias.copy_(bv)
-            head.o.weight.copy_(dense(last.wo).float())
-            gate, up = w_gate_up.chunk(2)
-            head.gate.weight.copy_(gate)
-            head.up.weight.copy_(up)
-            head.down.weight.copy_(dense(last.w_down).float())
-            head.ln1.copy_(last.ln1.float())
-            head.ln2.copy_(last.ln2.float())
+        copy_from_native(head, last, nh, kh, d)
         return head
 
     # ------------------------------------------------------------------ training path
     def rope(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin_signed [T, D]`` exactly as ``NativeLM`` builds them (float32)."""
-        d = self.shape.head_dim
-        inv = 1.0 / (self.shape.rope_theta
-                     ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
-        ang = torch.arange(length, device=device).float()[:, None] * inv
-        emb = torch.cat([ang, ang], dim=-1)
-        sign = torch.cat([-torch.ones(d // 2), torch.ones(d // 2)]).to(device)
-        return emb.cos(), emb.sin() * sign
+        return rope_tables(length, self.shape.head_dim, self.shape.rope_theta, device)
 
     def forward(self, feats: torch.Tensor, next_emb: torch.Tensor, key_valid: torch.Tensor,
                 depth: int = 1) -> list[torch.Tensor]:
@@ -293,15 +272,7 @@ class FeatureDraftModel:
             return None if t is None else t.detach().to(device=device, dtype=dtype)
 
         with torch.no_grad():
-            bqkv = None
-            if s.qkv_bias:
-                bqkv = b(torch.cat([head.q.bias, head.k.bias, head.v.bias]))
-            layer = _Layer(
-                ln1=b(head.ln1), wqkv=w(torch.cat([head.q.weight, head.k.weight, head.v.weight])),
-                bqkv=bqkv, wo=w(head.o.weight), bo=None, ln2=b(head.ln2),
-                w_gate_up=w(torch.cat([head.gate.weight, head.up.weight])), b_gate_up=None,
-                w_down=w(head.down.weight), b_down=None,
-            )
+            layer = to_native(head, device, dtype, target.packed)
             self.ids = head.vocab_ids.to(device)  # [S]
             sub = target.lm_head.index_select(0, self.ids).contiguous()  # [S, H]
             info = ModelInfo(
