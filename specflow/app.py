@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from specflow.results import RunFolder, results_fingerprint
 from specflow.runner import Runner
 from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings
+from specflow.workload import Request
 
 log = logging.getLogger("specflow")
 
@@ -67,7 +69,23 @@ def check_models_fit_cpu(cfg: DictConfig) -> None:
         check_cpu_weights(model["name"], path, model["dtype"], model.get("packed_weights"))
 
 
-def _run(cfg: DictConfig, out: Path) -> RunSummary:
+@dataclass
+class PreparedRun:
+    """Everything one experiment needs to decode: its runner (pipeline, tokenizer,
+    settings, callbacks), its workload's requests, its results folder and meta."""
+
+    runner: Runner
+    requests: list[Request]
+    folder: RunFolder
+    meta: RunMeta
+
+
+def prepare_run(cfg: DictConfig, out: Path) -> PreparedRun:
+    """Build an experiment from its composed config without decoding anything: check the
+    settings, load the models, build the stage graph, open ``out`` (``cfg.resume``).
+
+    Models are cached in-process (``load_model``), so several experiments prepared in one
+    process share their target (``scripts/bench_interleaved.py``)."""
     settings: RunSettings = OmegaConf.to_object(cfg.runner)  # checks every runner value
     sampling: SamplingParams = OmegaConf.to_object(cfg.sampling)  # and every sampling value
     if settings.threads:
@@ -104,6 +122,11 @@ def _run(cfg: DictConfig, out: Path) -> RunSummary:
         models=[info.name for info in pipeline.models()],
         config=config,
     )
-    summary = runner.run(workload.requests(), folder, meta)  # callbacks.console prints the table
-    print(f"results: {folder.path.resolve()}")
+    return PreparedRun(runner, list(workload.requests()), folder, meta)
+
+
+def _run(cfg: DictConfig, out: Path) -> RunSummary:
+    run = prepare_run(cfg, out)
+    summary = run.runner.run(run.requests, run.folder, run.meta)  # callbacks.console prints
+    print(f"results: {run.folder.path.resolve()}")
     return summary

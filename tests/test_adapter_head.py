@@ -182,3 +182,38 @@ def test_self_spec_drafts_through_the_adapter(adapted, monkeypatch):
     without = self_spec(bare)
     assert with_adapter.tokens == without.tokens == hf_greedy(hf, PROMPT, 24)
     assert with_adapter.stats.accepted_per_round != without.stats.accepted_per_round
+
+
+def test_merge_heads_takes_each_exit_from_its_file(adapted, tmp_path):
+    """An mlp file (exits 1, 3) and an adapter file (exit 2) merge into one file whose heads
+    are the sources' tensors, loadable and attachable; bad merges are refused by name."""
+    from specflow.models.exit_heads import ExitHead, load_heads, merge_heads
+
+    _, lm, adapter = adapted
+    gen = torch.Generator().manual_seed(1)
+    mlps = {e: ExitHead(lm.info.hidden_size, "mlp", rank=4) for e in (1, 3)}
+    for head in mlps.values():
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn(p.shape, generator=gen))
+    a = save_heads(tmp_path / "mlp.safetensors", mlps, lm.info)
+    b = save_heads(tmp_path / "adapter.safetensors", {EXIT: adapter}, lm.info)
+    out = merge_heads(tmp_path / "merged.safetensors", [(a, [3]), (b, None)])
+    meta = read_heads_metadata(out)
+    assert meta["layers"] == [2, 3] and meta["head_type"] == "adapter+mlp"
+    assert meta["extra"]["merged_from"]["3"]["file"] == str(a)
+    loaded = load_heads(out, lm.info)
+    assert isinstance(loaded[2], AdapterHead) and isinstance(loaded[3], ExitHead)
+    for want, got in ((mlps[3], loaded[3]), (adapter, loaded[2])):
+        for (name, x), (_, y) in zip(want.state_dict().items(), got.state_dict().items(),
+                                     strict=True):
+            assert torch.equal(x, y), name
+    with pytest.raises(ConfigError, match="exit 3 is given by"):
+        merge_heads(tmp_path / "m2.safetensors", [(a, None), (out, [3])])
+    with pytest.raises(ConfigError, match=r"has exits \[1, 3\], not 2"):
+        merge_heads(tmp_path / "m3.safetensors", [(a, [2])])
+    _, other = make_pair("llama", seed=4, num_layers=6)
+    c = save_heads(tmp_path / "other.safetensors", {1: ExitHead(other.info.hidden_size)},
+                   other.info)
+    with pytest.raises(ConfigError, match="weights_fingerprint"):
+        merge_heads(tmp_path / "m4.safetensors", [(b, None), (c, None)])

@@ -616,3 +616,30 @@ def test_an_object_that_is_not_a_callback_is_refused(tiny_target):
     pipe = SpeculativePipeline(FullVerifier(tiny_target[1]), StandardAcceptor())
     with pytest.raises(ConfigError, match="callback object is not a run callback"):
         Runner(pipe, CharTokenizer(), RunSettings(), SamplingParams(), [object()])
+
+
+def test_paired_report_against_the_reference():
+    """specflow.paired: ratios of the reference's seconds, fidelity by tokens, levels summed."""
+    from dataclasses import replace as dc_replace
+
+    from specflow.paired import paired_markdown, paired_report
+    from specflow.workload import Request
+
+    plain = [fake_record(0, "math_reasoning"), fake_record(1, "qa")]  # 0.5 s, 0.6 s
+    fast = dc_replace(plain[0], metrics=dc_replace(plain[0].metrics, total_s=0.25))
+    other = dc_replace(plain[1], turns=[dc_replace(plain[1].turns[0], output_tokens=[2] * 11)])
+    extra = fake_record(7, "qa")  # the reference never decoded it: left out
+    rep = paired_report({"plain": plain, "m": [fast, other, extra]}, "plain")
+    m = rep["methods"]["m"]
+    assert m["requests"] == 2
+    assert m["speedup"] == pytest.approx(1.1 / 0.85)
+    assert m["speedup_median"] == pytest.approx(1.5)
+    assert m["tau"] == pytest.approx(1 + 13 / 8)
+    assert m["levels"]["target"] == {"drafted": 24, "accepted": 13, "rate": 13 / 24}
+    assert m["levels"]["intermediate"]["accepted"] == 18
+    assert m["fidelity"] == 0.5
+    assert m["by_category"]["math_reasoning"] == {"speedup": 2.0, "tau": 2.5}
+    assert m["time_per_stage_s"]["verify_s"] == pytest.approx(0.4)
+    assert rep["methods"]["plain"]["speedup"] == 1.0
+    text = paired_markdown(rep, [Request("r0", "math_reasoning", ("q",))], {"m": "+experiment=x"})
+    assert "| m | " in text and "r0 (math_reasoning)" in text and "`+experiment=x`" in text

@@ -291,3 +291,70 @@ def load_and_attach(
     """``attach_heads(lm, load_heads(path, lm.info))``; returns the attached heads."""
     heads = load_heads(path, lm.info, check_name)
     return attach_heads(lm, heads, str(path)).exit_heads
+
+
+def merge_heads(path: str | Path, sources: list[tuple[str | Path, list[int] | None]]) -> Path:
+    """Write one exit-heads file holding the chosen exits of several (e.g. the mlp heads of
+    exits 4 and 14 from one training run and the adapter of exit 7 from another), so that
+    one ``model.exit_heads=FILE`` serves a drafter, an intermediate verifier and a pool's arm
+    at different exits.
+
+    ``sources``: ``(file, exits)`` pairs; ``exits=None`` takes every exit of the file.  The
+    files must be made for the same base model (name, weights, tokenizer, shape), and each
+    exit may come from one file only.  Tensors are copied unchanged; the metadata's
+    ``extra.merged_from`` records which file each exit came from (and that file's ``extra``).
+
+    Raises:
+        ConfigError: a source is not an exit-heads file, an exit is not in its file, an exit
+            is given twice, or the files were made for different base models.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    same = ("base_model", "weights_fingerprint", "tokenizer_fingerprint", "num_layers",
+            "hidden_size", "vocab_size")
+    base: dict[str, Any] | None = None
+    tensors: dict[str, torch.Tensor] = {}
+    heads: dict[str, Any] = {}
+    merged_from: dict[str, Any] = {}
+    for src, exits in sources:
+        meta = read_heads_metadata(src)
+        if base is None:
+            base = meta
+        differ = [k for k in same if meta.get(k) != base.get(k)]
+        if differ:
+            raise ConfigError(
+                f"cannot merge exit heads: {src} differs from the first file in "
+                f"{', '.join(f'{k} ({meta.get(k)} vs {base.get(k)})' for k in differ)}"
+            )
+        have = [int(e) for e in meta["heads"]]
+        for e in have if exits is None else exits:
+            if e not in have:
+                raise ConfigError(f"cannot merge exit heads: {src} has exits {have}, not {e}")
+            if str(e) in heads:
+                raise ConfigError(
+                    f"cannot merge exit heads: exit {e} is given by {merged_from[str(e)]['file']}"
+                    f" and by {src}; take it from one file (FILE:EXITS)"
+                )
+            heads[str(e)] = meta["heads"][str(e)]
+            merged_from[str(e)] = {"file": str(src), "extra": meta.get("extra", {})}
+            with safe_open(str(Path(src).expanduser()), framework="pt") as f:
+                prefix = f"exit.{e}."
+                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if key.startswith(prefix):
+                        tensors[key] = f.get_tensor(key)
+    if base is None or not heads:
+        raise ConfigError("cannot merge exit heads: no exits chosen")
+    types = sorted({cfg.get("head_type", "mlp") for cfg in heads.values()})
+    meta = {
+        **{k: base[k] for k in ("format", "version", *same)},
+        "head_type": "+".join(types),
+        "layers": sorted(int(e) for e in heads),
+        "heads": {e: heads[e] for e in sorted(heads, key=int)},
+        "extra": {"merged_from": merged_from},
+    }
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={_META_KEY: json.dumps(meta, default=str)})
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return path
