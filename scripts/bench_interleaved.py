@@ -49,8 +49,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from specflow.app import PreparedRun, model_configs, prepare_run  # noqa: E402
 from specflow.config import register_configs  # noqa: E402
-from specflow.errors import ConfigError  # noqa: E402
+from specflow.errors import ConfigError, SpecflowError  # noqa: E402
 from specflow.paired import paired_markdown, paired_report  # noqa: E402
+from specflow.results import REQUESTS_FILE, read_records  # noqa: E402
 
 
 @dataclass
@@ -117,6 +118,32 @@ def run_interleaved(runs: dict[str, PreparedRun]) -> None:
             run.runner.settings = replace(run.runner.settings, warmup=False)
 
 
+def bench(args: argparse.Namespace) -> None:
+    names = [n for n, _ in args.method]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"bench_interleaved: method names repeat: {names}")
+    out = Path(args.out)
+    common = shlex.split(args.common)
+    if args.report_only:  # the folders as they are: no model is loaded
+        missing = [n for n in names if not (out / n / REQUESTS_FILE).exists()]
+        if missing:
+            raise SystemExit(f"bench_interleaved: no {REQUESTS_FILE} for {missing} under {out}")
+        records = {name: read_records(out / name / REQUESTS_FILE) for name in names}
+    else:
+        experiments = compose_experiments(common, args.method)
+        check_shared_models(experiments)
+        runs = {e.name: prepare_run(e.cfg, out / e.name) for e in experiments}
+        run_interleaved(runs)
+        records = {name: run.folder.records for name, run in runs.items()}
+    rep = paired_report(records, names[0])
+    order = [(r.request_id, r.category) for r in records[names[0]]]
+    text = paired_markdown(rep, order, dict(args.method))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(rep, indent=2))
+    (out / "report.md").write_text(text)
+    print(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="one results folder per experiment in here")
@@ -124,26 +151,11 @@ def main() -> None:
     ap.add_argument("--method", nargs=2, action="append", required=True,
                     metavar=("NAME", "OVERRIDES"), help="an experiment; the first is the reference")
     ap.add_argument("--report-only", action="store_true", help="report the folders; decode nothing")
-    args = ap.parse_args()
-    names = [n for n, _ in args.method]
-    if len(set(names)) != len(names):
-        raise SystemExit(f"bench_interleaved: method names repeat: {names}")
-    out = Path(args.out)
-    common = shlex.split(args.common)
-    if args.report_only:
-        common = [o for o in common if not o.startswith("resume=")] + ["resume=true"]
-    experiments = compose_experiments(common, args.method)
-    check_shared_models(experiments)
-    runs = {e.name: prepare_run(e.cfg, out / e.name) for e in experiments}
-    if not args.report_only:
-        run_interleaved(runs)
-    records = {name: run.folder.records for name, run in runs.items()}
-    rep = paired_report(records, names[0])
-    text = paired_markdown(rep, runs[names[0]].requests, dict(args.method))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(rep, indent=2))
-    (out / "report.md").write_text(text)
-    print(text)
+    try:
+        bench(ap.parse_args())
+    except SpecflowError as exc:
+        print(f"bench_interleaved: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

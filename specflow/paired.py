@@ -22,7 +22,6 @@ from typing import Any
 
 from specflow.cpu import probe_cpu
 from specflow.records import RequestRecord
-from specflow.workload import Request
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -96,11 +95,12 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
-def paired_markdown(rep: dict[str, Any], requests: list[Request],
+def paired_markdown(rep: dict[str, Any], requests: list[tuple[str, str]],
                     overrides: Mapping[str, str]) -> str:
-    """``paired_report`` as markdown tables, the requests named, each method's overrides."""
+    """``paired_report`` as markdown tables, the requests (id, category) named in the order
+    they were decoded, each method's overrides."""
     lines = [f"CPU: {rep['cpu']}", "",
-             "Requests: " + ", ".join(f"{r.request_id} ({r.category})" for r in requests),
+             "Requests: " + ", ".join(f"{rid} ({cat})" for rid, cat in requests),
              "", "| experiment | overrides |", "|---|---|"]
     lines += [f"| {n} | `{o}` |" for n, o in overrides.items()]
     lines += ["", "| experiment | tok/s | × plain (pooled) | × plain (median) | τ | acceptance "

@@ -623,7 +623,6 @@ def test_paired_report_against_the_reference():
     from dataclasses import replace as dc_replace
 
     from specflow.paired import paired_markdown, paired_report
-    from specflow.workload import Request
 
     plain = [fake_record(0, "math_reasoning"), fake_record(1, "qa")]  # 0.5 s, 0.6 s
     fast = dc_replace(plain[0], metrics=dc_replace(plain[0].metrics, total_s=0.25))
@@ -641,5 +640,5 @@ def test_paired_report_against_the_reference():
     assert m["by_category"]["math_reasoning"] == {"speedup": 2.0, "tau": 2.5}
     assert m["time_per_stage_s"]["verify_s"] == pytest.approx(0.4)
     assert rep["methods"]["plain"]["speedup"] == 1.0
-    text = paired_markdown(rep, [Request("r0", "math_reasoning", ("q",))], {"m": "+experiment=x"})
+    text = paired_markdown(rep, [("r0", "math_reasoning")], {"m": "+experiment=x"})
     assert "| m | " in text and "r0 (math_reasoning)" in text and "`+experiment=x`" in text
