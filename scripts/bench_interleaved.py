@@ -79,7 +79,10 @@ def compose_experiments(common: list[str], methods: list[tuple[str, str]]) -> li
 
 def check_shared_models(experiments: list[Experiment]) -> None:
     """Refuse experiments that give one model different exit heads: the heads attach to the
-    one model object every experiment shares, so the last attached would serve them all."""
+    one model object every experiment shares, so the last attached would serve them all.
+    An experiment that gives none (``exit_heads: null``) runs with whatever the others
+    attached: plain decoding and model drafters never read them, but an early exit through
+    the shared head would (give it the same file, or bench it apart)."""
     seen: dict[str, tuple[str, Any]] = {}
     for exp in experiments:
         for _, model in model_configs(exp.cfg):
