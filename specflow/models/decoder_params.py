@@ -38,6 +38,20 @@ def copy_from_native(module: nn.Module, src: _Layer, num_heads: int, num_kv_head
         module.ln2.copy_(src.ln2.float())
 
 
+def place_matrix(t: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                 packed: bool) -> torch.Tensor:
+    """A weight matrix for inference: detached, on ``device`` / ``dtype``, contiguous, and
+    oneDNN-packed when ``packed`` (the caller checked ``packing_available``)."""
+    t = t.detach().to(device=device, dtype=dtype).contiguous()
+    return pack(t) if packed else t
+
+
+def place_vector(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+                 ) -> torch.Tensor | None:
+    """A bias or norm weight for inference (``None`` stays ``None``)."""
+    return None if t is None else t.detach().to(device=device, dtype=dtype)
+
+
 def to_native(module: nn.Module, device: torch.device, dtype: torch.dtype,
               packed: bool) -> _Layer:
     """``module``'s layer parameters as a ``_Layer`` on ``device`` / ``dtype`` (matrices
@@ -45,11 +59,10 @@ def to_native(module: nn.Module, device: torch.device, dtype: torch.dtype,
     packed = packed and packing_available(device, dtype)
 
     def w(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().to(device=device, dtype=dtype).contiguous()
-        return pack(t) if packed else t
+        return place_matrix(t, device, dtype, packed)
 
     def b(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.detach().to(device=device, dtype=dtype)
+        return place_vector(t, device, dtype)
 
     with torch.no_grad():
         bqkv = None

@@ -328,7 +328,8 @@ def merge_heads(path: str | Path, sources: list[tuple[str | Path, list[int] | No
                 f"{', '.join(f'{k} ({meta.get(k)} vs {base.get(k)})' for k in differ)}"
             )
         have = [int(e) for e in meta["heads"]]
-        for e in have if exits is None else exits:
+        chosen = have if exits is None else exits
+        for e in chosen:
             if e not in have:
                 raise ConfigError(f"cannot merge exit heads: {src} has exits {have}, not {e}")
             if str(e) in heads:
@@ -338,11 +339,11 @@ def merge_heads(path: str | Path, sources: list[tuple[str | Path, list[int] | No
                 )
             heads[str(e)] = meta["heads"][str(e)]
             merged_from[str(e)] = {"file": str(src), "extra": meta.get("extra", {})}
-            with safe_open(str(Path(src).expanduser()), framework="pt") as f:
-                prefix = f"exit.{e}."
-                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    if key.startswith(prefix):
-                        tensors[key] = f.get_tensor(key)
+        prefixes = tuple(f"exit.{e}." for e in chosen)
+        with safe_open(str(Path(src).expanduser()), framework="pt") as f:  # once per file
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if key.startswith(prefixes):
+                    tensors[key] = f.get_tensor(key)
     if base is None or not heads:
         raise ConfigError("cannot merge exit heads: no exits chosen")
     types = sorted({cfg.get("head_type", "mlp") for cfg in heads.values()})

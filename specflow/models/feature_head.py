@@ -53,7 +53,13 @@ from torch import nn
 
 from specflow.errors import ConfigError
 from specflow.kv.base import KVSpec, LayerBatch, ModelInfo
-from specflow.models.decoder_params import copy_from_native, rope_tables, to_native
+from specflow.models.decoder_params import (
+    copy_from_native,
+    place_matrix,
+    place_vector,
+    rope_tables,
+    to_native,
+)
 from specflow.models.exit_heads import check_base_model, default_heads_path
 from specflow.models.native import NativeLM, dense, linear, pack, packing_available
 
@@ -263,14 +269,6 @@ class FeatureDraftModel:
         if s.hidden_size != target.hidden_size or s.head_dim != target.head_dim:
             raise ConfigError("the feature head's shape does not match the target's layers")
         packed = target.packed and packing_available(device, dtype)
-
-        def w(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach().to(device=device, dtype=dtype).contiguous()
-            return pack(t) if packed else t
-
-        def b(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().to(device=device, dtype=dtype)
-
         with torch.no_grad():
             layer = to_native(head, device, dtype, target.packed)
             self.ids = head.vocab_ids.to(device)  # [S]
@@ -288,8 +286,8 @@ class FeatureDraftModel:
                 head_weight=pack(sub) if packed else None,
             )
             self.core.cos, self.core.sin_signed = target.cos, target.sin_signed
-            self.fc_w = w(head.fc.weight)  # [H, 2H]
-            self.fc_b = b(head.fc.bias)
+            self.fc_w = place_matrix(head.fc.weight, device, dtype, packed)  # [H, 2H]
+            self.fc_b = place_vector(head.fc.bias, device, dtype)
         self.target = target
         self.vocab_size = target.info.vocab_size
 

@@ -7,14 +7,11 @@
 # into conf/experiment/self_spec.yaml and hispec.yaml.  Nothing else may run meanwhile.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-PY=${PY:-.venv/bin/python}
+source docs/data/issue24/bench_common.sh
 OUT=${OUT:-outputs/issue24/choose_exits}
-HEADS=${HEADS:-outputs/heads/exits_4a7_14.safetensors}   # mlp 4 + adapter 7 + mlp 14
-IDS="[149,221,293,389,461,533]"
 V="drafter.vocab_subset=32768"
 $PY scripts/bench_interleaved.py --out "$OUT" \
-  --common "model=qwen2.5-coder-1.5b model.exit_heads=$HEADS workload.ids=$IDS \
-            workload.max_turns=1 runner.max_new_tokens=64 runner.threads=2 resume=true" \
+  --common "$(common "$CHOOSE_IDS" 64)" \
   --method plain "+experiment=ar" \
   --method self_spec_4 "+experiment=self_spec drafter.exit_layer=4 drafter.k=2 $V" \
   --method self_spec_7 "+experiment=self_spec drafter.exit_layer=7 drafter.k=2 $V" \

@@ -1,0 +1,14 @@
+# Sourced by the #24 bench scripts (choose_exits.sh, bench_table128.sh, bench_metasd_keep.sh):
+# what they share, declared once.  Overridable from the environment.
+PY=${PY:-.venv/bin/python}
+HEADS=${HEADS:-outputs/heads/exits_4a7_14.safetensors}   # mlp 4 + adapter 7 + mlp 14
+FEATURE=${FEATURE:-outputs/train_heads/feature_sb_ft/feature_head.safetensors}
+# two held-out Spec-Bench questions per category, none trained on by any head (the table)
+TABLE_IDS="[101,125,173,197,245,269,341,365,413,437,485,509]"
+# one more held-out question per category, not in the table (choosing the exits)
+CHOOSE_IDS="[149,221,293,389,461,533]"
+# what every experiment of a bench gets: the target, its heads, first turns, 2 threads
+common() {  # common IDS MAX_NEW_TOKENS
+  echo "model=qwen2.5-coder-1.5b model.exit_heads=$HEADS workload.ids=$1 \
+workload.max_turns=1 runner.max_new_tokens=$2 runner.threads=2 resume=true"
+}
