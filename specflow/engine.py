@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from specflow.acceptance import StandardAcceptor
+from specflow.catchup import catch_up
 from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo, check_same_tokenizer
 from specflow.protocols import (
@@ -175,12 +176,17 @@ class SpeculativePipeline:
     def begin(self, states: list[DecodeState]) -> None:
         """New requests start: every stage prefills / resets (batched).  First, each
         request's sessions learn which exits with an attention adapter a stage reads
-        (``ModelSession.read_exit``: the adapter must see every position, the prefill's too)."""
+        (``ModelSession.read_exit``: the adapter must see every position, the prefill's too).
+
+        A nested pipeline (``k`` set: a drafter) does not prefill its verifier here: like a
+        model drafter, it catches up on its first ``propose`` (``Draft.catchup_s``), so a
+        pool arm that is never chosen for a request never pays for that request's prompt."""
         for use in self.uses():
             if use.lm.exit_adapter(use.exit_layer) is not None:
                 for st in states:
                     st.session(use.lm).read_exit(use.exit_layer)
-        self.target_verifier.begin(states)
+        if self.k is None:
+            self.target_verifier.begin(states)
         if self.draft_length is not None:
             for st in states:
                 self.draft_length.begin(st)
@@ -257,6 +263,12 @@ class SpeculativePipeline:
         The tokens follow this pipeline's target (lossless acceptor: its distribution), so
         q for the outer rule is this target's warped distribution at each committed token.
         """
+        # This pipeline's verifier may be behind: its lazy prefill, rounds it sat out (a pool's
+        # idle arm).  Its one usual position (the last committed token) rides along with the
+        # first round's verification (slack 1).
+        catchup_s = 0.0
+        for use in self.target_verifier.uses():
+            catchup_s += catch_up(states, use.lm, use.exit_layer, slack=1).seconds
         inners = [self._inner.get(st) for st in states]
         for inner, st in zip(inners, states, strict=True):
             inner.tokens = list(st.tokens)
@@ -277,7 +289,7 @@ class SpeculativePipeline:
         for i, inner in enumerate(inners):
             toks = inner.tokens[starts[i] : starts[i] + asked[i]]
             probs = torch.cat(q_rows[i])[: asked[i]] if q_rows[i] else None
-            drafts.append(Draft(toks, probs))
+            drafts.append(Draft(toks, probs, catchup_s=catchup_s))
         return drafts
 
     def observe(

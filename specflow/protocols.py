@@ -141,6 +141,8 @@ class BanditStats:
     counts: list[float] = field(default_factory=list)
     sums: list[float] = field(default_factory=list)
     rounds: int = 0
+    # Statistics this request's rounds also feed (a selector's run-wide prior), or None.
+    teaches: BanditStats | None = None
 
 
 @runtime_checkable

@@ -17,6 +17,17 @@ the pool reports ``selector.update(i, reward)``, with a reward in [0, 1]:
   at temperature 1.  An empty draft (no lookup match) scores 0.
 - ``be`` (block efficiency): accepted / asked, with asked the draft length asked of the
   pool this round.
+- ``rate`` (cost-aware): what the round committed per unit of time.  BD and BE count
+  tokens per round, so a costly drafter (a 0.5B model: k draft steps of ~1/3 of a target
+  step each, and its catch-up after idle rounds) wins over a free one (prompt lookup) that
+  commits fewer tokens per round but more per second.  With ``draft_s`` the arm's seconds
+  this round (its catch-up included: a switch costs) and ``verify_s`` the verification's,
+
+      rate = (accepted + 1) * t_ref / (draft_s + verify_s),   reward = min(1, rate / rate_scale)
+
+  ``t_ref`` is the shortest verification seen by this pool in the run (about one target
+  step), so plain decoding rates about 1 and a round as productive as two plain steps
+  about 2.  ``rate_scale`` maps rates into [0, 1] (rates above it score 1).
 
 Arms that did not draft fall behind: their model sessions miss the tokens committed
 meanwhile.  They catch up lazily, when next chosen, in one block before drafting
@@ -29,6 +40,7 @@ pool round appends the arm and its reward to ``RoundStats.arms`` / ``rewards``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -43,7 +55,7 @@ from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
 log = logging.getLogger(__name__)
 
-REWARDS = ("bd", "be")
+REWARDS = ("bd", "be", "rate")
 
 
 def block_divergence(
@@ -82,14 +94,24 @@ def sync_arm(states: list[DecodeState], uses: list[ModelUse]) -> CatchUp:
 
 
 @dataclass
+class PendingRound:
+    """A drafted round awaiting its reward: the arm, the draft length asked of the pool,
+    the arm's seconds (catch-up included) and when the pool's drafting ended."""
+
+    arm: int
+    asked: int
+    draft_s: float
+    drafted_at: float
+
+
+@dataclass
 class PoolRequest:
     """A pool's per-request data: the bandit statistics it selects from, the arm that
-    drafted last (a switch means catching up), and the arm and asked draft length awaiting
-    a reward."""
+    drafted last (a switch means catching up), and the round awaiting a reward."""
 
     bandit: BanditStats
     last: int | None = None
-    pending: tuple[int, int] | None = None
+    pending: PendingRound | None = None
 
 
 class PoolDrafter:
@@ -98,7 +120,9 @@ class PoolDrafter:
     Args:
         drafters: the arms: a mapping name -> drafter (config order = arm index), or a list.
         selector: chooses the arm each round (``ucb``, ``discounted_ucb``, ``fixed``...).
-        reward: ``bd`` (block divergence) or ``be`` (block efficiency).
+        reward: ``bd`` (block divergence), ``be`` (block efficiency) or ``rate``
+            (committed tokens per reference step of time; see module doc).
+        rate_scale: for ``rate``: the rate that scores 1 (tokens per target step).
         name: the drafter's name.
     """
 
@@ -107,6 +131,7 @@ class PoolDrafter:
         drafters: Mapping[str, Drafter] | list[Drafter],
         selector: Selector,
         reward: str = "bd",
+        rate_scale: float = 3.0,
         name: str = "pool",
     ) -> None:
         if isinstance(drafters, Mapping):
@@ -130,8 +155,12 @@ class PoolDrafter:
             )
         if reward not in REWARDS:
             raise ConfigError(f"drafter.reward must be one of {list(REWARDS)}, got '{reward}'")
+        if rate_scale <= 0:
+            raise ConfigError(f"drafter.rate_scale must be > 0, got {rate_scale}")
         self.selector = selector
         self.reward = reward
+        self.rate_scale = rate_scale
+        self._step_s = math.inf  # t_ref: the shortest verification seen in the run (rate)
         self.name = name
         self.k = max(arm.k for arm in self.arms)
         self._uses = [arm.uses() for arm in self.arms]
@@ -163,7 +192,10 @@ class PoolDrafter:
             arm = self.selector.select(self._request.get(st).bandit)
             groups.setdefault(arm, []).append(i)
         drafts: dict[int, Draft] = {}  # request index -> its arm's draft (its own object)
+        clock = states[0].clock
+        began: dict[int, tuple[float, float]] = {}  # arm -> (start, end) of its drafting
         for arm, idx in groups.items():
+            start = clock()
             drafter = self.arms[arm]
             switched = [i for i in idx if self._request.get(states[i]).last != arm]
             sync = CatchUp([0] * len(switched))
@@ -172,10 +204,6 @@ class PoolDrafter:
                 for i, n in zip(switched, sync.behind, strict=True):
                     states[i].stats.catchup_tokens += n
                     states[i].stats.catchup_s += sync.seconds
-            for i in idx:
-                mine = self._request.get(states[i])
-                mine.last = arm
-                mine.pending = (arm, asked[i])
             out = drafter.propose(
                 [states[i] for i in idx], [draft_limit(drafter, asked[i]) for i in idx]
             )
@@ -183,6 +211,13 @@ class PoolDrafter:
                 if i in switched:
                     draft.catchup_s += sync.seconds
                 drafts[i] = draft
+            began[arm] = (start, clock())
+        end = clock()
+        for arm, idx in groups.items():
+            for i in idx:
+                mine = self._request.get(states[i])
+                mine.last = arm
+                mine.pending = PendingRound(arm, asked[i], began[arm][1] - began[arm][0], end)
         return [drafts[i] for i in range(len(states))]
 
     def observe(
@@ -193,20 +228,32 @@ class PoolDrafter:
         verdicts: list[Acceptance],
     ) -> None:
         """Each drafting request's reward for its arm (engine hook after the acceptor)."""
+        now = states[0].clock() if states else 0.0  # the round's verification has ended
         for st, draft, logits, verdict in zip(states, drafts, target_logits, verdicts, strict=True):
-            self._reward(st, draft, logits, verdict)
+            self._reward(st, draft, logits, verdict, now)
 
     def _reward(
-        self, state: DecodeState, draft: Draft, target_logits: torch.Tensor, verdict: Acceptance
+        self,
+        state: DecodeState,
+        draft: Draft,
+        target_logits: torch.Tensor,
+        verdict: Acceptance,
+        now: float,
     ) -> None:
         mine = self._request.get(state)
         if mine.pending is None:
             return
-        arm, asked = mine.pending
+        arm, asked = mine.pending.arm, mine.pending.asked
+        draft_s, drafted_at = mine.pending.draft_s, mine.pending.drafted_at
         mine.pending = None
         drafted = len(draft.tokens)
         if self.reward == "be":
             reward = verdict.num_accepted / asked
+        elif self.reward == "rate":
+            verify_s = max(now - drafted_at, 1e-9)  # the verification (and acceptance)
+            self._step_s = min(self._step_s, verify_s)
+            rate = (verdict.num_accepted + 1) * self._step_s / (draft_s + verify_s)
+            reward = min(1.0, rate / self.rate_scale)
         elif state.sampling.greedy:
             p = target_logits[:drafted].float().softmax(-1)  # temperature 1
             reward = block_divergence(draft.tokens, draft.probs, p)

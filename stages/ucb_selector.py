@@ -24,6 +24,18 @@ every past observation is weighted by ``gamma^(age)``:
 
 so an arm not pulled for a while regains a large bonus and is re-explored.  gamma = 1 is
 UCB1.  Ties go to the lowest arm index.
+
+**Warm start** (``prior = m > 0``, with ``reset``): a request starts from what the run's
+earlier rounds taught, shrunk so that it weighs at most m pulls per arm (an empirical-Bayes
+prior; each arm keeps its run mean):
+
+    n_i(0) = min(N_i, m),   s_i(0) = S_i * n_i(0) / N_i
+
+(N_i, S_i: the run's pulls and summed rewards of arm i, undiscounted, every request's).  The
+request's own rounds then outweigh the prior after a few pulls, so it still adapts to its
+prompt (a code question favours a model drafter, a summary prompt lookup), but arms the run
+found weak are not re-explored from scratch by every request: MetaSD resets per request
+and pays that exploration each time.  An arm the run never pulled is still tried first.
 """
 
 from __future__ import annotations
@@ -63,23 +75,46 @@ class UCBSelector:
             otherwise (0.95: ~20).
         reset: forget everything at each request (MetaSD); False keeps the statistics
             across the requests of a run.
+        prior: with ``reset``, start each request from the run's statistics shrunk to at
+            most this many pulls per arm (warm start, see module doc); 0 = MetaSD's fresh
+            start.
 
     ``BanditStats.counts``: (discounted) pulls per arm (n_i / N_i); ``sums``: (discounted)
     summed rewards per arm.
     """
 
-    def __init__(self, c: float = 1.0, gamma: float = 1.0, reset: bool = True) -> None:
+    def __init__(
+        self, c: float = 1.0, gamma: float = 1.0, reset: bool = True, prior: float = 0.0
+    ) -> None:
         if c < 0:
             raise ConfigError(f"selector.c must be >= 0, got {c}")
         if not 0.0 < gamma <= 1.0:
             raise ConfigError(f"selector.gamma must be in (0, 1], got {gamma}")
+        if prior < 0:
+            raise ConfigError(f"selector.prior must be >= 0 (pulls per arm), got {prior}")
+        if prior > 0 and not reset:
+            raise ConfigError(
+                f"selector.prior={prior} warm-starts each request from the run's statistics, "
+                "but selector.reset=false already shares them: set one of the two"
+            )
         self.c = c
         self.gamma = gamma
         self.reset = reset
+        self.prior = prior
         self._shared: BanditStats | None = None  # the run's statistics when reset=False
+        self._run: BanditStats | None = None  # every round of the run (warm start)
 
     def begin(self, num_arms: int) -> BanditStats:
         _check_arms(num_arms)
+        if self.reset and self.prior > 0:
+            if self._run is None or len(self._run.counts) != num_arms:
+                self._run = BanditStats(counts=[0.0] * num_arms, sums=[0.0] * num_arms)
+            counts = [min(n, self.prior) for n in self._run.counts]
+            sums = [
+                s * m / n if n > 0 else 0.0
+                for s, m, n in zip(self._run.sums, counts, self._run.counts, strict=True)
+            ]
+            return BanditStats(counts=counts, sums=sums, teaches=self._run)
         if self.reset:
             return BanditStats(counts=[0.0] * num_arms, sums=[0.0] * num_arms)
         if self._shared is None or len(self._shared.counts) != num_arms:
@@ -96,10 +131,13 @@ class UCBSelector:
             stats.sums = [s * self.gamma for s in stats.sums]
         stats.counts[arm] += 1.0
         stats.sums[arm] += reward
+        if stats.teaches is not None:  # warm start: the run learns from every request
+            stats.teaches.counts[arm] += 1.0
+            stats.teaches.sums[arm] += reward
 
 
 def DiscountedUCBSelector(  # noqa: N802
-    gamma: float = 0.95, c: float = 1.0, reset: bool = True
+    gamma: float = 0.95, c: float = 1.0, reset: bool = True, prior: float = 0.0
 ) -> UCBSelector:
     """Selector ``discounted_ucb``: ``UCBSelector`` with a discount (drift within a request)."""
-    return UCBSelector(c=c, gamma=gamma, reset=reset)
+    return UCBSelector(c=c, gamma=gamma, reset=reset, prior=prior)

@@ -128,6 +128,27 @@ def test_selector_without_reset_carries_the_run_over():
     assert sel.begin(3).counts == [0.0, 0.0, 0.0]  # another pool: nothing to carry over
 
 
+def test_warm_start_starts_each_request_from_the_run():
+    """prior = 2: the run's pulls per arm capped at 2, each arm keeping its run mean."""
+    sel = UCBSelector(c=0.5, prior=2)
+    first = sel.begin(3)
+    assert first.counts == [0.0, 0.0, 0.0]  # nothing learned yet: a fresh start
+    for arm, reward in [(0, 0.9), (1, 0.2), (2, 0.4), (0, 0.7), (0, 0.8), (1, 0.0)]:
+        sel.update(first, arm, reward)
+    second = sel.begin(3)
+    assert second.counts == [2.0, 2.0, 1.0]  # min(3, 2), min(2, 2), min(1, 2)
+    assert second.sums == pytest.approx([2.4 * 2 / 3, 0.2, 0.4])  # run means 0.8, 0.1, 0.4
+    assert first.counts == [3.0, 2.0, 1.0]  # the first request's own statistics are its own
+    # index = mean + 0.5 sqrt(2 ln 5 / n): 0.8 + 0.634, 0.1 + 0.634, 0.4 + 0.897 -> arm 0
+    assert sel.select(second) == 0
+    sel.update(second, 2, 1.0)  # a request's rounds teach the run too
+    assert sel.begin(3).sums == pytest.approx([1.6, 0.2, 1.4])  # arm 2: 2 pulls, mean 0.7
+    with pytest.raises(ConfigError, match="selector.reset=false already shares them"):
+        UCBSelector(prior=4, reset=False)
+    with pytest.raises(ConfigError, match="selector.prior must be >= 0"):
+        UCBSelector(prior=-1)
+
+
 # ---------------------------------------------------------------- rewards
 P = torch.tensor(
     [[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]]
@@ -185,6 +206,53 @@ def test_pool_reward_from_target_logits(reward, expected):
     assert pool._request.get(other).bandit.counts == [0.0, 0.0]  # reset per request
 
 
+class FakeClock:
+    """Seconds that move only when a test (or a stub drafter) moves them."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class TimedStub(StubDrafter):
+    """``StubDrafter`` whose drafting takes ``cost`` seconds of a fake clock."""
+
+    def __init__(self, clock: FakeClock, cost: float) -> None:
+        self.clock, self.cost = clock, cost
+
+    def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
+        self.clock.t += self.cost
+        return super().propose(states, ks)
+
+
+def test_rate_reward_is_tokens_per_reference_step_of_time():
+    """rate = (accepted + 1) * t_ref / (draft_s + verify_s), t_ref = the shortest
+    verification so far; reward = min(1, rate / rate_scale)."""
+    clock = FakeClock()
+    arms = {"slow": TimedStub(clock, 0.5), "free": TimedStub(clock, 0.0)}
+    pool = PoolDrafter(arms, RoundRobinSelector(), reward="rate", rate_scale=2.0)
+    state = DecodeState(tokens=[1, 2], prompt_len=2, max_len=16, clock=clock)
+    pool.begin([state])
+    logits = torch.zeros(4, 4)
+    # (verification seconds, accepted) per round; arms alternate slow, free, slow.
+    for verify_s, accepted in [(0.25, 1), (0.2, 0), (0.25, 3)]:
+        (draft,) = pool.propose([state], [3])
+        clock.t += verify_s
+        pool.observe([state], [draft], [logits], [Acceptance(accepted, 3)])
+    # 1: t_ref 0.25, rate 2 * 0.25 / 0.75 = 2/3.  2: t_ref 0.2, rate 1 * 0.2 / 0.2 = 1.
+    # 3: rate 4 * 0.2 / 0.75 = 16/15.
+    assert state.stats.arms == [0, 1, 0]
+    assert state.stats.rewards == pytest.approx([1 / 3, 1 / 2, 8 / 15])
+    (draft,) = pool.propose([state], [3])  # free: 4 tokens in 0.2 s, rate 4 -> capped
+    clock.t += 0.2
+    pool.observe([state], [draft], [logits], [Acceptance(3, 3)])
+    assert state.stats.rewards[-1] == 1.0
+    with pytest.raises(ConfigError, match="rate_scale must be > 0"):
+        PoolDrafter(arms, RoundRobinSelector(), reward="rate", rate_scale=0.0)
+
+
 def test_pool_refuses_bad_config():
     with pytest.raises(ConfigError, match="reward must be one of"):
         PoolDrafter([StubDrafter()], UCBSelector(), reward="tokens")
@@ -223,6 +291,7 @@ SELECTORS = {
     "ucb_be": (lambda: UCBSelector(), "be"),
     "discounted_ucb": (lambda: DiscountedUCBSelector(gamma=0.9), "bd"),
     "round_robin": (lambda: RoundRobinSelector(), "bd"),
+    "ucb_rate_warm": (lambda: UCBSelector(c=0.3, prior=2), "rate"),
 }
 
 
@@ -271,7 +340,11 @@ def test_fixed_arm_equals_that_drafter_alone(deep_target, tiny_drafter, arm):
         assert b.tokens == a.tokens
         assert b.stats.accepted_per_round == a.stats.accepted_per_round
         assert b.stats.drafted_per_round == a.stats.drafted_per_round
-        assert set(b.stats.arms) == {arm} and b.stats.catchup_tokens == 0  # never idle
+        assert set(b.stats.arms) == {arm}
+        # Never idle, so the only catch-up is the draft model's lazy prefill at the arm's
+        # first round (arms 1 and 4 run the draft model; 0 is PLD, 2 and 3 the target's
+        # exits, prefilled by the target verifier); the positions before the last token.
+        assert b.stats.catchup_tokens == (len(prompt) - 1 if arm in (1, 4) else 0)
 
 
 def test_pool_metrics_for_the_runner(deep_target, tiny_drafter):
@@ -286,6 +359,39 @@ def test_pool_metrics_for_the_runner(deep_target, tiny_drafter):
     assert m["catchup_tokens"] > 0 and m["catchup_s"] >= 0
     plain = generation_metrics([generate(pool_pipeline(lm, None), [1, 2], 4)])
     assert plain.pool is None and "arms" not in plain.to_json()
+
+
+def test_nested_pipeline_prefills_its_verifier_lazily(deep_target, tiny_drafter):
+    """PLD -> draft model as a drafter: ``begin`` leaves the draft model's session empty
+    (a pool arm never chosen never pays for the prompt); the first ``propose`` catches up
+    and reports it as ``Draft.catchup_s``; the output is still the target's greedy."""
+    from specflow.kv.stores import KVStores
+
+    hf, lm = deep_target
+    _, draft_lm = tiny_drafter
+    nested = make_arms(lm, draft_lm)["pld_model"]
+    pipe = pool_pipeline(lm, nested)
+    prompt = PROMPTS[1]
+    ticks = iter(range(10**6))  # each reading one second later: a timed step lasts 1 s
+    state = DecodeState(
+        tokens=list(prompt),
+        prompt_len=len(prompt),
+        max_len=64,
+        kv=KVStores(),
+        clock=lambda: float(next(ticks)),
+    )
+    pipe.begin([state])
+    assert state.session(draft_lm).computed(0) == 0
+    assert state.session(lm).computed(5) == len(prompt) - 1  # the target prefilled
+    (draft,) = nested.propose([state], [3])
+    assert state.session(draft_lm).computed(0) >= len(prompt) - 1
+    assert len(draft.tokens) == 3 and draft.catchup_s == 1.0  # one catch-up forward, timed
+    state.tokens += draft.tokens  # all accepted, then the bonus: one position behind
+    state.tokens.append(7)
+    (draft,) = nested.propose([state], [3])
+    assert draft.catchup_s == 0.0  # that position rides along with verification (slack 1)
+    gen = generate(pipe, prompt, MAX_NEW)
+    assert gen.tokens == hf_greedy(hf, prompt, MAX_NEW)
 
 
 # ---------------------------------------------------------------- oracle
