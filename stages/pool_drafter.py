@@ -27,7 +27,10 @@ the pool reports ``selector.update(i, reward)``, with a reward in [0, 1]:
 
   ``t_ref`` is the shortest verification seen by this pool in the run (about one target
   step), so plain decoding rates about 1 and a round as productive as two plain steps
-  about 2.  ``rate_scale`` maps rates into [0, 1] (rates above it score 1).
+  about 2.  ``rate_scale`` maps rates into [0, 1]; its default, k + 1 (k: the pool's
+  largest arm k), is the most a round can rate (``verify_s >= t_ref``), so no round is
+  clipped and a long prompt-lookup copy counts in full.  A smaller scale clips the best
+  rounds to 1 and widens the gaps between the arms' means (the same as a larger UCB c).
 
 Arms that did not draft fall behind: their model sessions miss the tokens committed
 meanwhile.  They catch up lazily, when next chosen, in one block before drafting
@@ -122,7 +125,8 @@ class PoolDrafter:
         selector: chooses the arm each round (``ucb``, ``discounted_ucb``, ``fixed``...).
         reward: ``bd`` (block divergence), ``be`` (block efficiency) or ``rate``
             (committed tokens per reference step of time; see module doc).
-        rate_scale: for ``rate``: the rate that scores 1 (tokens per target step).
+        rate_scale: for ``rate``: the rate that scores 1 (tokens per target step);
+            ``None``: k + 1, the most a round can rate.
         name: the drafter's name.
     """
 
@@ -131,7 +135,7 @@ class PoolDrafter:
         drafters: Mapping[str, Drafter] | list[Drafter],
         selector: Selector,
         reward: str = "bd",
-        rate_scale: float = 3.0,
+        rate_scale: float | None = None,
         name: str = "pool",
     ) -> None:
         if isinstance(drafters, Mapping):
@@ -155,14 +159,14 @@ class PoolDrafter:
             )
         if reward not in REWARDS:
             raise ConfigError(f"drafter.reward must be one of {list(REWARDS)}, got '{reward}'")
-        if rate_scale <= 0:
-            raise ConfigError(f"drafter.rate_scale must be > 0, got {rate_scale}")
+        if rate_scale is not None and rate_scale <= 0:
+            raise ConfigError(f"drafter.rate_scale must be > 0 or null, got {rate_scale}")
         self.selector = selector
         self.reward = reward
-        self.rate_scale = rate_scale
         self._step_s = math.inf  # t_ref: the shortest verification seen in the run (rate)
         self.name = name
         self.k = max(arm.k for arm in self.arms)
+        self.rate_scale = float(self.k + 1) if rate_scale is None else rate_scale
         self._uses = [arm.uses() for arm in self.arms]
         self._request: RequestLocal[PoolRequest] = RequestLocal(
             lambda _state: PoolRequest(self.selector.begin(len(self.arms)))

@@ -251,6 +251,8 @@ def test_rate_reward_is_tokens_per_reference_step_of_time():
     assert state.stats.rewards[-1] == 1.0
     with pytest.raises(ConfigError, match="rate_scale must be > 0"):
         PoolDrafter(arms, RoundRobinSelector(), reward="rate", rate_scale=0.0)
+    # By default the scale is k + 1 = 4 (the stubs' k = 3): the most a round can rate.
+    assert PoolDrafter(arms, RoundRobinSelector(), reward="rate").rate_scale == 4.0
 
 
 def test_pool_refuses_bad_config():
