@@ -28,6 +28,13 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
+def add_padded(a: list[int], b: list[int]) -> list[int]:
+    """Elementwise ``a + b``, the shorter list read as padded with zeros (a request's
+    ``arm_counts`` stops at the highest arm it chose)."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
 def paired_report(records: Mapping[str, list[RequestRecord]], reference: str) -> dict[str, Any]:
     """Per method: pooled and per-category figures against ``reference`` (module doc), over
     the requests the reference decoded; a method with none of them is left out."""
@@ -68,8 +75,8 @@ def paired_report(records: Mapping[str, list[RequestRecord]], reference: str) ->
         arms: list[int] = []  # rounds per pool arm (index = arm, conf/drafter/pool.yaml)
         for r in recs:
             if r.metrics.pool is not None:
-                counts = r.metrics.pool.arm_counts
-                arms = [a + b for a, b in zip(arms + [0] * len(counts), counts, strict=False)]
+                counts = r.metrics.pool.arm_counts  # up to the highest arm it chose
+                arms = add_padded(arms, counts)
         out["methods"][name] = {
             "requests": len(recs),
             "tokens": tokens,

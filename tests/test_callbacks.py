@@ -641,4 +641,18 @@ def test_paired_report_against_the_reference():
     assert m["time_per_stage_s"]["verify_s"] == pytest.approx(0.4)
     assert rep["methods"]["plain"]["speedup"] == 1.0
     text = paired_markdown(rep, [("r0", "math_reasoning")], {"m": "+experiment=x"})
+    # Rounds per pool arm: a request's arm_counts stop at the highest arm it chose, so a
+    # shorter list adds as if padded with zeros, whatever the order.
+    from specflow.paired import add_padded
+    from specflow.records import PoolMetrics
+
+    def pooled(counts: list[int]):
+        rec = fake_record(0, "math_reasoning")
+        pool = PoolMetrics(arms=[], arm_rewards=[], arm_counts=counts, catchup_tokens=0,
+                           catchup_s=0.0)
+        return dc_replace(rec, metrics=dc_replace(rec.metrics, pool=pool))
+
+    assert add_padded([1, 2, 3, 4], [5, 6]) == [6, 8, 3, 4]
+    rep = paired_report({"plain": plain, "m": [pooled([3, 1, 0, 2]), pooled([4, 5])]}, "plain")
+    assert rep["methods"]["m"]["arm_rounds"] == [7, 6, 0, 2]
     assert "| m | " in text and "r0 (math_reasoning)" in text and "`+experiment=x`" in text
