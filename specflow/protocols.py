@@ -143,6 +143,9 @@ class BanditStats:
     rounds: int = 0
     # Statistics this request's rounds also feed (a selector's run-wide prior), or None.
     teaches: BanditStats | None = None
+    # Per arm, what choosing it now would cost in reward units (a pool's switch cost: an
+    # idle arm's catch-up), subtracted from its index by a selector; [] = none.
+    penalties: list[float] = field(default_factory=list)
 
 
 @runtime_checkable

@@ -32,6 +32,19 @@ the pool reports ``selector.update(i, reward)``, with a reward in [0, 1]:
   clipped and a long prompt-lookup copy counts in full.  A smaller scale clips the best
   rounds to 1 and widens the gaps between the arms' means (the same as a larger UCB c).
 
+**Switch cost** (``switch_horizon = H``, with ``rate``): an arm whose model sessions are
+behind (its lazy prefill, tokens committed while it sat idle) must catch up before it
+drafts, a one-off cost the per-round reward only sees after it is paid.  Before each
+choice the pool estimates it, ``C_i = behind_i * s_i`` (positions behind times the arm's
+measured catch-up seconds per position; 0 until measured), and spreads it over H rounds
+of the arm (``d_i``: its measured seconds per round): its rate over those rounds drops by
+the share ``C_i / (H d_i + C_i)``, so the selector sees each arm's index lowered by
+
+    penalty_i = mean_i * C_i / (H * d_i + C_i)        (``BanditStats.penalties``)
+
+A 0.5B arm 1,200 prompt positions behind is then not tried for one round in a request that
+prompt lookup serves well.
+
 Arms that did not draft fall behind: their model sessions miss the tokens committed
 meanwhile.  They catch up lazily, when next chosen, in one block before drafting
 (``specflow.catchup.catch_up`` per model the arm uses, timed with the requests' clock); the
@@ -52,6 +65,7 @@ import torch
 from specflow.catchup import CatchUp, catch_up
 from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
+from specflow.kv.session import common_prefix_length
 from specflow.protocols import BanditStats, Drafter, ModelUse, Selector, draft_limit
 from specflow.sampling import warp
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
@@ -127,6 +141,8 @@ class PoolDrafter:
             (committed tokens per reference step of time; see module doc).
         rate_scale: for ``rate``: the rate that scores 1 (tokens per target step);
             ``None``: k + 1, the most a round can rate.
+        switch_horizon: for ``rate``: the rounds over which an arm's catch-up is spread
+            when weighing a switch to it (see module doc); ``None``: no switch cost.
         name: the drafter's name.
     """
 
@@ -136,6 +152,7 @@ class PoolDrafter:
         selector: Selector,
         reward: str = "bd",
         rate_scale: float | None = None,
+        switch_horizon: float | None = None,
         name: str = "pool",
     ) -> None:
         if isinstance(drafters, Mapping):
@@ -161,6 +178,12 @@ class PoolDrafter:
             raise ConfigError(f"drafter.reward must be one of {list(REWARDS)}, got '{reward}'")
         if rate_scale is not None and rate_scale <= 0:
             raise ConfigError(f"drafter.rate_scale must be > 0 or null, got {rate_scale}")
+        if switch_horizon is not None and (switch_horizon <= 0 or reward != "rate"):
+            raise ConfigError(
+                f"drafter.switch_horizon={switch_horizon} needs drafter.reward=rate and a "
+                "value > 0 (rounds): the switch cost is weighed in the rate's units"
+            )
+        self.switch_horizon = switch_horizon
         self.selector = selector
         self.reward = reward
         self._step_s = math.inf  # t_ref: the shortest verification seen in the run (rate)
@@ -168,6 +191,11 @@ class PoolDrafter:
         self.k = max(arm.k for arm in self.arms)
         self.rate_scale = float(self.k + 1) if rate_scale is None else rate_scale
         self._uses = [arm.uses() for arm in self.arms]
+        n = len(self.arms)
+        # Per arm, measured over the run: catch-up seconds and positions; round seconds
+        # (drafting without catch-up, plus verification) and rounds.
+        self._catchup = [[0.0, 0] for _ in range(n)]
+        self._rounds = [[0.0, 0] for _ in range(n)]
         self._request: RequestLocal[PoolRequest] = RequestLocal(
             lambda _state: PoolRequest(self.selector.begin(len(self.arms)))
         )
@@ -193,7 +221,10 @@ class PoolDrafter:
         """Each request's selector picks its arm; each arm drafts for its requests at once."""
         groups: dict[int, list[int]] = {}
         for i, st in enumerate(states):
-            arm = self.selector.select(self._request.get(st).bandit)
+            bandit = self._request.get(st).bandit
+            if self.switch_horizon is not None:
+                bandit.penalties = self._switch_penalties(st, bandit)
+            arm = self.selector.select(bandit)
             groups.setdefault(arm, []).append(i)
         drafts: dict[int, Draft] = {}  # request index -> its arm's draft (its own object)
         clock = states[0].clock
@@ -208,6 +239,9 @@ class PoolDrafter:
                 for i, n in zip(switched, sync.behind, strict=True):
                     states[i].stats.catchup_tokens += n
                     states[i].stats.catchup_s += sync.seconds
+                if sum(sync.behind) > 0:
+                    self._catchup[arm][0] += sync.seconds
+                    self._catchup[arm][1] += sum(sync.behind)
             out = drafter.propose(
                 [states[i] for i in idx], [draft_limit(drafter, asked[i]) for i in idx]
             )
@@ -223,6 +257,32 @@ class PoolDrafter:
                 mine.last = arm
                 mine.pending = PendingRound(arm, asked[i], began[arm][1] - began[arm][0], end)
         return [drafts[i] for i in range(len(states))]
+
+    def _switch_penalties(self, state: DecodeState, bandit: BanditStats) -> list[float]:
+        """``mean_i * C_i / (H d_i + C_i)`` per arm (module doc); 0 for the arm that drafted
+        last, an arm without models, or one whose costs are not measured yet."""
+        last = self._request.get(state).last
+        out = []
+        for arm, uses in enumerate(self._uses):
+            (c_s, c_n), (r_s, r_n) = self._catchup[arm], self._rounds[arm]
+            if arm == last or not uses or c_n == 0 or r_n == 0 or bandit.counts[arm] <= 0:
+                out.append(0.0)
+                continue
+            behind = 0
+            for use in uses:  # a session never opened is behind by every committed position
+                sess = state.sessions.get(id(use.lm))
+                done = 0
+                if sess is not None:  # its work on committed tokens (not on rejected drafts)
+                    done = min(
+                        sess.computed(use.exit_layer - 1),
+                        common_prefix_length(sess.tokens, state.tokens),
+                    )
+                behind = max(behind, len(state.tokens) - 1 - done)
+            cost = behind * c_s / c_n
+            mean = bandit.sums[arm] / bandit.counts[arm]
+            horizon = self.switch_horizon or 0.0
+            out.append(mean * cost / (horizon * r_s / r_n + cost) if cost > 0 else 0.0)
+        return out
 
     def observe(
         self,
@@ -256,6 +316,8 @@ class PoolDrafter:
         elif self.reward == "rate":
             verify_s = max(now - drafted_at, 1e-9)  # the verification (and acceptance)
             self._step_s = min(self._step_s, verify_s)
+            self._rounds[arm][0] += max(0.0, draft_s - draft.catchup_s) + verify_s
+            self._rounds[arm][1] += 1
             rate = (verdict.num_accepted + 1) * self._step_s / (draft_s + verify_s)
             reward = min(1.0, rate / self.rate_scale)
         elif state.sampling.greedy:

@@ -123,7 +123,10 @@ class UCBSelector:
 
     def select(self, stats: BanditStats) -> int:
         stats.rounds += 1
-        return argmax(ucb_index(stats.sums, stats.counts, self.c))  # untried arms first (inf)
+        index = ucb_index(stats.sums, stats.counts, self.c)  # untried arms first (inf)
+        if stats.penalties:  # a pool's switch costs (stages.pool_drafter)
+            index = [u - p for u, p in zip(index, stats.penalties, strict=True)]
+        return argmax(index)
 
     def update(self, stats: BanditStats, arm: int, reward: float) -> None:
         if self.gamma < 1.0:

@@ -295,6 +295,7 @@ SELECTORS = {
     "round_robin": (lambda: RoundRobinSelector(), "bd"),
     "ucb_rate_warm": (lambda: UCBSelector(c=0.3, prior=2), "rate"),
 }
+SWITCH = {"ucb_rate_warm": 4.0}  # switch_horizon per selector case (default: off)
 
 
 @pytest.mark.parametrize("selector", sorted(SELECTORS))
@@ -302,7 +303,10 @@ def test_pool_is_lossless_whatever_the_arm(deep_target, tiny_drafter, selector):
     hf, lm = deep_target
     _, draft_lm = tiny_drafter
     make_selector, reward = SELECTORS[selector]
-    pool = PoolDrafter(make_arms(lm, draft_lm), make_selector(), reward=reward)
+    pool = PoolDrafter(
+        make_arms(lm, draft_lm), make_selector(), reward=reward,
+        switch_horizon=SWITCH.get(selector),
+    )
     pipe = pool_pipeline(lm, pool)
     for prompt in PROMPTS:
         gen = generate(pipe, prompt, MAX_NEW)
@@ -361,6 +365,49 @@ def test_pool_metrics_for_the_runner(deep_target, tiny_drafter):
     assert m["catchup_tokens"] > 0 and m["catchup_s"] >= 0
     plain = generation_metrics([generate(pool_pipeline(lm, None), [1, 2], 4)])
     assert plain.pool is None and "arms" not in plain.to_json()
+
+
+def test_switch_penalty_spreads_an_idle_arms_catch_up(deep_target, tiny_drafter):
+    """penalty_i = mean_i * C_i / (H d_i + C_i), C_i = positions behind * measured seconds
+    per catch-up position, d_i = measured seconds per round; 0 for the arm that drafted last
+    and for arms without models."""
+    from specflow.kv.stores import KVStores
+
+    _, lm = deep_target
+    _, draft_lm = tiny_drafter
+    arms = {"pld": PLDDrafter(k=5), "draft_model": ModelDrafter(draft_lm, k=3)}
+    pool = PoolDrafter(arms, RoundRobinSelector(), reward="rate", switch_horizon=4.0)
+    pipe = pool_pipeline(lm, pool)
+    prompt = PROMPTS[1]
+    ticks = iter(range(10**6))
+    state = DecodeState(
+        tokens=list(prompt), prompt_len=len(prompt), max_len=64, kv=KVStores(),
+        clock=lambda: float(next(ticks)),
+    )
+    pipe.begin([state])
+    for _ in range(4):  # pld, model (its lazy prefill), pld, model (catches up again)
+        pipe.run_round([state], [16])
+    assert state.stats.arms == [0, 1, 0, 1]
+    (c_s, c_n), (r_s, r_n) = pool._catchup[1], pool._rounds[1]
+    assert c_n == state.stats.catchup_tokens > len(prompt) - 1 and r_n == 2
+    pipe.run_round([state], [16])  # pld drafts: the model falls behind again
+    bandit = pool._request.get(state).bandit  # round robin keeps no means: set some
+    bandit.counts, bandit.sums = [2.0, 2.0], [0.6, 0.5]
+    penalties = pool._switch_penalties(state, bandit)
+    from specflow.kv.session import common_prefix_length
+
+    session = state.session(draft_lm)
+    done = min(
+        session.computed(draft_lm.info.num_layers - 1),
+        common_prefix_length(session.tokens, state.tokens),
+    )
+    behind = len(state.tokens) - 1 - done
+    cost = behind * c_s / c_n
+    assert behind > 0 and penalties[0] == 0.0  # PLD has no model to catch up
+    assert penalties[1] == pytest.approx(0.25 * cost / (4.0 * r_s / r_n + cost))
+    assert 0.0 < penalties[1] < 0.25
+    with pytest.raises(ConfigError, match="needs drafter.reward=rate"):
+        PoolDrafter(arms, RoundRobinSelector(), reward="bd", switch_horizon=4.0)
 
 
 def test_nested_pipeline_prefills_its_verifier_lazily(deep_target, tiny_drafter):
