@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specflow.kv.base import LayeredLM
-from specflow.kv.session import forward_hidden
+from specflow.kv.session import common_prefix_length, forward_hidden
 from specflow.state import DecodeState
 
 
@@ -39,6 +39,19 @@ class CatchUp:
 
     behind: list[int]
     seconds: float = 0.0
+
+
+def positions_behind(state: DecodeState, lm: LayeredLM, exit_layer: int) -> int:
+    """``behind`` of the module doc for one request, without syncing anything: the positions
+    ``catch_up`` would process now (only work on the committed tokens counts, not on
+    rejected drafts the session still holds; a session never opened is behind by all)."""
+    session = state.sessions.get(id(lm))
+    done = 0
+    if session is not None:
+        done = min(
+            session.computed(exit_layer - 1), common_prefix_length(session.tokens, state.tokens)
+        )
+    return max(0, len(state.tokens) - 1 - done)
 
 
 def catch_up(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
+from itertools import zip_longest
 from typing import Any
 
 from specflow.cpu import probe_cpu
@@ -31,8 +32,7 @@ def _ratio(num: float, den: float) -> float | None:
 def add_padded(a: list[int], b: list[int]) -> list[int]:
     """Elementwise ``a + b``, the shorter list read as padded with zeros (a request's
     ``arm_counts`` stops at the highest arm it chose)."""
-    n = max(len(a), len(b))
-    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+    return [x + y for x, y in zip_longest(a, b, fillvalue=0)]
 
 
 def paired_report(records: Mapping[str, list[RequestRecord]], reference: str) -> dict[str, Any]:

@@ -63,10 +63,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specflow.catchup import CatchUp, catch_up
+from specflow.catchup import CatchUp, catch_up, positions_behind
 from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
-from specflow.kv.session import common_prefix_length
 from specflow.protocols import BanditStats, Drafter, ModelUse, Selector, draft_limit
 from specflow.sampling import warp
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
@@ -269,16 +268,7 @@ class PoolDrafter:
             if arm == last or not uses or c_n == 0 or r_n == 0 or bandit.counts[arm] <= 0:
                 out.append(0.0)
                 continue
-            behind = 0
-            for use in uses:  # a session never opened is behind by every committed position
-                sess = state.sessions.get(id(use.lm))
-                done = 0
-                if sess is not None:  # its work on committed tokens (not on rejected drafts)
-                    done = min(
-                        sess.computed(use.exit_layer - 1),
-                        common_prefix_length(sess.tokens, state.tokens),
-                    )
-                behind = max(behind, len(state.tokens) - 1 - done)
+            behind = max(positions_behind(state, use.lm, use.exit_layer) for use in uses)
             cost = behind * c_s / c_n
             mean = bandit.sums[arm] / bandit.counts[arm]
             horizon = self.switch_horizon or 0.0

@@ -1,4 +1,4 @@
-# Sourced by the #24 bench scripts (choose_exits.sh, bench_table128.sh, bench_metasd_keep.sh):
+# Sourced by the #24 bench scripts (choose_exits.sh, bench_table128.sh, bench_metasd_*.sh):
 # what they share, declared once.  Overridable from the environment.
 PY=${PY:-.venv/bin/python}
 HEADS=${HEADS:-outputs/heads/exits_4a7_14.safetensors}   # mlp 4 + adapter 7 + mlp 14
@@ -12,3 +12,18 @@ common() {  # common IDS MAX_NEW_TOKENS
   echo "model=qwen2.5-coder-1.5b model.exit_heads=$HEADS workload.ids=$1 \
 workload.max_turns=1 runner.max_new_tokens=$2 runner.threads=2 resume=true"
 }
+# one interleaved bench: bench OUT IDS MAX_NEW_TOKENS --method NAME "OVERRIDES"... [options]
+bench() {
+  local out=$1 ids=$2 tokens=$3
+  shift 3
+  $PY scripts/bench_interleaved.py --out "$out" --common "$(common "$ids" "$tokens")" "$@"
+}
+# plain decoding (the reference) and MetaSD's arms alone, every model in fp32 (the 0.5B
+# too: sps would take bf16 on a CPU with native bf16)
+ARMS_FP32=(
+  --method plain "+experiment=ar"
+  --method pld "+experiment=pld"
+  --method sps_0.5b "+experiment=sps drafter.model.dtype=float32"
+  --method self_spec "+experiment=self_spec"
+  --method sps_pld "+experiment=sps_pld"
+)

@@ -8,13 +8,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-OUT=${OUT:-outputs/issue24/metasd_c}
-$PY scripts/bench_interleaved.py --out "$OUT" \
-  --common "$(common "$CHOOSE_IDS" 128)" \
+R="+experiment=metasd_rate drafter.rate_scale=null"
+bench "${OUT:-outputs/issue24/metasd_c}" "$CHOOSE_IDS" 128 \
   --method plain "+experiment=ar" \
   --method pld "+experiment=pld" \
   --method sps_pld "+experiment=sps_pld" \
-  --method metasd_rate_c0.3 "+experiment=metasd_rate drafter.rate_scale=null selector.c=0.3" \
-  --method metasd_rate_c0.1 "+experiment=metasd_rate drafter.rate_scale=null selector.c=0.1" \
-  --method metasd_rate_c0.03 "+experiment=metasd_rate drafter.rate_scale=null selector.c=0.03" \
+  --method metasd_rate_c0.3 "$R selector.c=0.3" \
+  --method metasd_rate_c0.1 "$R selector.c=0.1" \
+  --method metasd_rate_c0.03 "$R selector.c=0.03" \
   "$@"

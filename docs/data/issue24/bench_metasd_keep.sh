@@ -6,9 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-OUT=${OUT:-outputs/issue24/metasd_keep}
-$PY scripts/bench_interleaved.py --out "$OUT" \
-  --common "$(common "$TABLE_IDS" 128)" \
+bench "${OUT:-outputs/issue24/metasd_keep}" "$TABLE_IDS" 128 \
   --method plain "+experiment=ar" \
   --method pld "+experiment=pld" \
   --method metasd_keep "+experiment=metasd_feature drafter.drafters.feature.head=$FEATURE \

@@ -9,14 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-OUT=${OUT:-outputs/issue24/metasd_rate}
-$PY scripts/bench_interleaved.py --out "$OUT" \
-  --common "$(common "$TABLE_IDS" 128)" \
-  --method plain "+experiment=ar" \
-  --method pld "+experiment=pld" \
-  --method sps_0.5b "+experiment=sps drafter.model.dtype=float32" \
-  --method self_spec "+experiment=self_spec" \
-  --method sps_pld "+experiment=sps_pld" \
+bench "${OUT:-outputs/issue24/metasd_rate}" "$TABLE_IDS" 128 "${ARMS_FP32[@]}" \
   --method metasd_bd "+experiment=metasd" \
   --method metasd_rate "+experiment=metasd_rate" \
   "$@"

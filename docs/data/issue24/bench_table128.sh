@@ -9,9 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-OUT=${OUT:-outputs/issue24/table128}
-$PY scripts/bench_interleaved.py --out "$OUT" \
-  --common "$(common "$TABLE_IDS" 128)" \
+bench "${OUT:-outputs/issue24/table128}" "$TABLE_IDS" 128 \
   --method plain "+experiment=ar" \
   --method pld "+experiment=pld" \
   --method sps_0.5b "+experiment=sps" \

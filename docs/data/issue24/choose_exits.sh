@@ -8,10 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-OUT=${OUT:-outputs/issue24/choose_exits}
 V="drafter.vocab_subset=32768"
-$PY scripts/bench_interleaved.py --out "$OUT" \
-  --common "$(common "$CHOOSE_IDS" 64)" \
+bench "${OUT:-outputs/issue24/choose_exits}" "$CHOOSE_IDS" 64 \
   --method plain "+experiment=ar" \
   --method self_spec_4 "+experiment=self_spec drafter.exit_layer=4 drafter.k=2 $V" \
   --method self_spec_7 "+experiment=self_spec drafter.exit_layer=7 drafter.k=2 $V" \
