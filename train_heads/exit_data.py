@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,8 +103,10 @@ def feature_data_dir(model_dir: Path, configured: str | None, first: str = "trai
 
 def chunk_paths(directory: Path, name: str) -> list[Path]:
     """The ``<name>_<i>.safetensors`` chunks of a feature data cache, in order."""
-    paths = sorted(directory.glob(f"{name}_*.safetensors"),
-                   key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+    pattern = re.compile(re.escape(name) + r"_(\d+)")
+    numbered = [(int(m.group(1)), p) for p in directory.glob(f"{name}_*.safetensors")
+                if (m := pattern.fullmatch(p.stem))]
+    paths = [p for _, p in sorted(numbered)]
     if not paths:
         hint = ("; " + specbench_hint(name)) if name.startswith("specbench") else ""
         raise ConfigError(f"no {name}_*.safetensors chunks in {directory}{hint}")

@@ -103,11 +103,14 @@ class FeatureSequences:
 
 
 def generate_chunked(lm: Any, prompts: list[list[int]], directory: Path, name: str,
-                     max_new_tokens: int, batch_size: int, chunk: int, eos: tuple[int, ...]
+                     max_new_tokens: int, batch_size: int, chunk: int, eos: tuple[int, ...],
+                     temperature: float = 0.0, seed: int = 0
                      ) -> tuple[FeatureSequences, dict[str, float]]:
-    """Answer ``prompts`` greedily with ``lm``, keeping ``h_N``; chunks of ``chunk`` prompts
-    are saved as ``<directory>/<name>_<i>.safetensors`` and reused when present.  No prompts:
-    empty sequences."""
+    """Answer ``prompts`` with ``lm`` (greedily, or drawn at ``temperature`` with chunk ``i``
+    seeded by ``seed * 1_000_003 + i``, so a resumed run draws what an uninterrupted one
+    would), keeping ``h_N``; chunks of ``chunk`` prompts are saved as
+    ``<directory>/<name>_<i>.safetensors`` and reused when present.  No prompts: empty
+    sequences."""
     from train_heads.generate import generate_with_hidden
 
     n = lm.info.num_layers
@@ -120,7 +123,8 @@ def generate_chunked(lm: Any, prompts: list[list[int]], directory: Path, name: s
             continue
         t0 = time.perf_counter()
         gens = generate_with_hidden(lm, prompts[c * chunk : (c + 1) * chunk], [], max_new_tokens,
-                                    batch_size, eos, progress=False)
+                                    batch_size, eos, progress=False, temperature=temperature,
+                                    seed=seed * 1_000_003 + c)
         part = FeatureSequences.from_generated(gens, n)
         part.save(path)
         spent = time.perf_counter() - t0

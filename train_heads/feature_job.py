@@ -51,7 +51,15 @@ DATA_VERSION = 1
 # ``head.data`` keys left out of the cache folder's key: the local prompts' chunks are a
 # prefix-stable sequence (``num_prompts``), and the Spec-Bench training answers have their own
 # chunk name (``specbench<N>_<i>``), so neither changes the folder an existing config uses.
-KEY_EXCLUDED = ("num_prompts", "specbench_train", "specbench_max_new_tokens")
+KEY_EXCLUDED = ("num_prompts", "specbench_train", "specbench_max_new_tokens",
+                "specbench_samples", "specbench_temperature")
+
+
+def sampled_chunk_name(max_new_tokens: int, temperature: float, draw: int) -> str:
+    """The chunk name of the ``draw``-th sampled answer set (``specbench<N>-t<T>-s<draw>``):
+    ``N``, ``T`` and the draw are part of its identity, and it never matches the greedy
+    answers' ``specbench<N>_<i>`` glob."""
+    return f"specbench{max_new_tokens}-t{temperature:g}-s{draw}"
 
 
 def feature_data_key(model: str, weights_fingerprint: str, dtype: str,
@@ -166,7 +174,7 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
     from train_heads.feature_module import FeatureDataModule, FeatureHeadDistiller
-    from train_heads.train import make_logger
+    from train_heads.train import make_logger, trainer_args
 
     lm, info, tok = loaded.lm, loaded.info, loaded.tokenizer
     hc = cfg.head
@@ -207,7 +215,26 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
                                 int(hc.data.gen_batch_size), int(hc.data.chunk),
                                 info.eos_token_ids)
     t_sb = {k.replace(sb_name, "specbench", 1): v for k, v in t_sb.items()}
-    train = FeatureSequences.concat([local, sb])
+    # more answers of the same questions drawn from the target's distribution at T
+    samples, temp = int(hc.data.get("specbench_samples", 0)), \
+        float(hc.data.get("specbench_temperature", 0.8))
+    if samples and (not sb_train or temp <= 0):
+        raise ConfigError(f"head.data.specbench_samples={samples} needs "
+                          "head.data.specbench_train=true and head.data.specbench_temperature "
+                          f"> 0 (got {temp})")
+    drawn, t_drawn = [], {"specbench_sampled_built_s": 0.0,
+                          "specbench_sampled_built_positions": 0}
+    for draw in range(1, samples + 1):
+        name = sampled_chunk_name(sb_new, temp, draw)
+        part, t_part = generate_chunked(
+            lm, [p.ids for p in sb_train], directory, name, sb_new, int(hc.data.gen_batch_size),
+            int(hc.data.chunk), info.eos_token_ids, temperature=temp, seed=draw)
+        drawn.append(part)
+        for what in ("built_s", "built_positions"):
+            t_drawn[f"specbench_sampled_{what}"] += t_part[f"{name}_{what}"]
+    sampled = (FeatureSequences.concat(drawn) if drawn
+               else FeatureSequences.empty(lm.info.hidden_size))
+    train = FeatureSequences.concat([local, sb, sampled])
     if train.num_seqs == 0:
         raise ConfigError("no training sequences (every local prompt is longer than "
                           "head.data.max_prompt_tokens, and no Spec-Bench question to train on)")
@@ -215,9 +242,10 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     skip = shared_prefix(held)
     n_train_rows = train.num_positions
     log.info("data: %d training sequences, %d positions (local text %d / %d, Spec-Bench %d / "
-             "%d); %d held-out (%d positions); %s", train.num_seqs, n_train_rows, local.num_seqs,
-             local.num_positions, sb.num_seqs, sb.num_positions, val.num_seqs,
-             val.num_positions, {**t_train, **t_val, **t_sb})
+             "%d, sampled %d / %d); %d held-out (%d positions); %s", train.num_seqs,
+             n_train_rows, local.num_seqs, local.num_positions, sb.num_seqs, sb.num_positions,
+             sampled.num_seqs, sampled.num_positions, val.num_seqs, val.num_positions,
+             {**t_train, **t_val, **t_sb, **t_drawn})
     # ---------------------------------------------------------------- 2. vocabulary
     # (of the combined training set; with init_from, the saved head's is kept)
     vocab_ids, vocab_info = draft_vocabulary(train, int(hc.vocab_size), info.vocab_size,
@@ -247,7 +275,7 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     ckpt = ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val/loss",
                            mode="min", save_last=False, save_top_k=1)
     callbacks.append(ckpt)
-    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True),
+    trainer = L.Trainer(**trainer_args(cfg.trainer),
                         logger=make_logger(cfg.logger, out_dir), callbacks=callbacks,
                         enable_progress_bar=bool(cfg.progress), default_root_dir=str(out_dir),
                         reload_dataloaders_every_n_epochs=1,
@@ -268,17 +296,25 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
          else [])
         + ([f"{sb.num_seqs} Spec-Bench dev questions not held out (first turn cut to "
             f"{hc.data.eval_prompt_tokens} tokens, {sb_new}-token answers)"] if sb_train else [])
-    ) + ", answered greedily by the target"
+    ) + ", answered greedily by the target" + (
+        f"; {samples} more answers of each Spec-Bench question drawn at temperature {temp:g}"
+        if samples else "")
     result = {
         "model": info.name, "weights_fingerprint": info.weights_fingerprint,
         "head": OmegaConf.to_container(hc, resolve=True), "before": before, "after": after,
-        "times_s": times, "data": {**t_train, **t_val, **t_sb, "cache": str(directory),
+        "times_s": times, "data": {**t_train, **t_val, **t_sb, **t_drawn,
+                                   "cache": str(directory),
                                    "train_sequences": train.num_seqs,
                                    "train_positions": n_train_rows,
                                    "train_local_sequences": local.num_seqs,
                                    "train_local_positions": local.num_positions,
                                    "train_specbench_sequences": sb.num_seqs,
                                    "train_specbench_positions": sb.num_positions,
+                                   "train_specbench_sampled_sequences": sampled.num_seqs,
+                                   "train_specbench_sampled_positions": sampled.num_positions,
+                                   "specbench_sampled_chunks": [
+                                       f"{sampled_chunk_name(sb_new, temp, d)}_*"
+                                       for d in range(1, samples + 1)],
                                    "specbench_chunks": f"{sb_name}_*" if sb_train else None,
                                    "heldout_sequences": val.num_seqs,
                                    "heldout_positions": val.num_positions,

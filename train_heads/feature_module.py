@@ -133,7 +133,8 @@ def feature_losses(head: FeatureHead, batch: FeatureBatch, embed: torch.Tensor,
     emb = F.embedding(batch.next_tokens, embed).float()
     preds = head(feats, emb, batch.key_valid, depth)  # depth x [B, T, H]
     h = feats.shape[-1]
-    with torch.no_grad():
+    # the teacher in float32 even under bf16-mixed training (its targets stay exact)
+    with torch.no_grad(), torch.autocast(feats.device.type, enabled=False):
         xt = F.rms_norm(batch.target_feats, (h,), final_norm, eps)
         teacher = F.log_softmax(xt @ sub_weight.t(), dim=-1)  # [B, T, S]
         teacher_p = teacher.exp()

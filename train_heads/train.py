@@ -237,6 +237,30 @@ def cut_table(cut: dict[int, ExitMetrics], num_layers: int, k: int) -> str:
         for layer, m in sorted(cut.items()))
 
 
+def resolve_precision(precision: Any, accelerator: str) -> Any:
+    """``trainer.precision``; ``auto`` becomes ``bf16-mixed`` where bf16 matrix products run
+    in hardware (a CUDA GPU that supports bf16, or a CPU that ``probe_cpu`` finds with native
+    bf16: AVX-512-BF16 or AMX), else ``32-true``.  The weights and the saved head stay
+    float32 either way; ``bf16-mixed`` autocasts the products (measured on an AVX-512-BF16
+    AMD EPYC: a feature-head step of 512 rows 3.0 s against 6.2 s in float32)."""
+    if precision != "auto":
+        return precision
+    cuda = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    if cuda:
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
+    from specflow.cpu import probe_cpu
+
+    return "bf16-mixed" if probe_cpu().native_bf16 else "32-true"
+
+
+def trainer_args(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg.trainer`` as ``lightning.Trainer`` arguments (``precision=auto`` resolved)."""
+    args = OmegaConf.to_container(cfg, resolve=True)
+    args["precision"] = resolve_precision(args.get("precision", "32-true"),
+                                          str(args.get("accelerator", "auto")))
+    return args
+
+
 def make_logger(cfg: DictConfig, out_dir: Path):
     """The Lightning logger named by ``logger.kind``: csv, wandb (offline by default), none."""
     kind = cfg.kind
@@ -349,7 +373,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
                                    save_last=True, save_top_k=1)
             callbacks.append(ckpt)
         trainer = L.Trainer(
-            **OmegaConf.to_container(cfg.trainer, resolve=True),
+            **trainer_args(cfg.trainer),
             logger=make_logger(cfg.logger, out_dir),
             callbacks=callbacks,
             enable_progress_bar=bool(cfg.progress),
