@@ -130,6 +130,9 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
         return pipe(PoolDrafter(arms, selector))
     if method == "feature":
         return pipe(FeatureDrafter(lm, head=feature_head, k=3))
+    if method == "pld_then_feature":  # prompt lookup, the feature head where it finds nothing
+        return pipe(FallbackDrafter(PLDDrafter(k=5, min_ngram=2),
+                                    FeatureDrafter(lm, head=feature_head, k=2)))
     if method == "feature_adaptive":
         return pipe(FeatureDrafter(lm, head=feature_head, k=5),
                     draft_length=AdaptiveDraftLength())
@@ -154,6 +157,7 @@ METHODS = [
     "fly_theta1",
     "feature",
     "feature_adaptive",
+    "pld_then_feature",
 ]
 
 

@@ -62,6 +62,33 @@ def sampled_chunk_name(max_new_tokens: int, temperature: float, draw: int) -> st
     return f"specbench{max_new_tokens}-t{temperature:g}-s{draw}"
 
 
+def drawn_answers(lm: Any, prompts: list[list[int]], directory: Path, max_new_tokens: int,
+                  samples: int, temperature: float, batch_size: int, chunk: int,
+                  eos: tuple[int, ...]) -> tuple[FeatureSequences, dict[str, float]]:
+    """``samples`` more answers of each Spec-Bench training prompt, drawn from the target at
+    ``temperature`` (draw ``j`` seeded ``j``; chunks ``sampled_chunk_name(...)_<i>``), and
+    the seconds / positions built this run.  ``ConfigError`` for a negative count, or for
+    draws without prompts (``specbench_train``) or at temperature 0."""
+    if samples < 0:
+        raise ConfigError(f"head.data.specbench_samples={samples}: use 0 (greedy answers only) "
+                          "or the number of drawn answers per question")
+    if samples and (not prompts or temperature <= 0):
+        raise ConfigError(f"head.data.specbench_samples={samples} needs "
+                          "head.data.specbench_train=true and head.data.specbench_temperature "
+                          f"> 0 (got {temperature})")
+    parts, built = [], {"specbench_sampled_built_s": 0.0, "specbench_sampled_built_positions": 0}
+    for draw in range(1, samples + 1):
+        name = sampled_chunk_name(max_new_tokens, temperature, draw)
+        part, t_part = generate_chunked(lm, prompts, directory, name, max_new_tokens,
+                                        batch_size, chunk, eos, temperature=temperature,
+                                        seed=draw)
+        parts.append(part)
+        for what in ("built_s", "built_positions"):
+            built[f"specbench_sampled_{what}"] += t_part[f"{name}_{what}"]
+    seqs = FeatureSequences.concat(parts) if parts else FeatureSequences.empty(lm.info.hidden_size)
+    return seqs, built
+
+
 def feature_data_key(model: str, weights_fingerprint: str, dtype: str,
                      data: dict[str, Any]) -> str:
     """The key of the feature data cache folder ``feature-<key>``: the model, its weights,
@@ -215,25 +242,11 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
                                 int(hc.data.gen_batch_size), int(hc.data.chunk),
                                 info.eos_token_ids)
     t_sb = {k.replace(sb_name, "specbench", 1): v for k, v in t_sb.items()}
-    # more answers of the same questions drawn from the target's distribution at T
     samples, temp = int(hc.data.get("specbench_samples", 0)), \
         float(hc.data.get("specbench_temperature", 0.8))
-    if samples and (not sb_train or temp <= 0):
-        raise ConfigError(f"head.data.specbench_samples={samples} needs "
-                          "head.data.specbench_train=true and head.data.specbench_temperature "
-                          f"> 0 (got {temp})")
-    drawn, t_drawn = [], {"specbench_sampled_built_s": 0.0,
-                          "specbench_sampled_built_positions": 0}
-    for draw in range(1, samples + 1):
-        name = sampled_chunk_name(sb_new, temp, draw)
-        part, t_part = generate_chunked(
-            lm, [p.ids for p in sb_train], directory, name, sb_new, int(hc.data.gen_batch_size),
-            int(hc.data.chunk), info.eos_token_ids, temperature=temp, seed=draw)
-        drawn.append(part)
-        for what in ("built_s", "built_positions"):
-            t_drawn[f"specbench_sampled_{what}"] += t_part[f"{name}_{what}"]
-    sampled = (FeatureSequences.concat(drawn) if drawn
-               else FeatureSequences.empty(lm.info.hidden_size))
+    sampled, t_drawn = drawn_answers(lm, [p.ids for p in sb_train], directory, sb_new,
+                                     samples, temp, int(hc.data.gen_batch_size),
+                                     int(hc.data.chunk), info.eos_token_ids)
     train = FeatureSequences.concat([local, sb, sampled])
     if train.num_seqs == 0:
         raise ConfigError("no training sequences (every local prompt is longer than "

@@ -64,6 +64,8 @@ def test_specbench_samples_add_drawn_answers_in_their_own_chunks(tmp_path: Path)
     from train_heads.train import run
 
     loaded = _tiny()
+    with pytest.raises(ConfigError, match="specbench_samples=-1: use 0"):
+        run(_compose(tmp_path, "head.data.specbench_samples=-1"), loaded)
     with pytest.raises(ConfigError, match="specbench_samples=2 needs"):
         run(_compose(tmp_path, "head.data.specbench_samples=2",
                      "head.data.specbench_train=false", "head.data.num_prompts=1"), loaded)
