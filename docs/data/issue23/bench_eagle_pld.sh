@@ -8,7 +8,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-NEW=${NEW:-outputs/train_heads/feature_sb_s3/feature_head.safetensors}
 bench "${OUT:-outputs/issue23/eagle_pld}" "$TABLE_IDS" 128 \
   --method plain "+experiment=ar" \
   --method pld "+experiment=pld" \

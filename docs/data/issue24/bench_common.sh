@@ -1,8 +1,11 @@
-# Sourced by the #24 bench scripts (choose_exits.sh, bench_table128.sh, bench_metasd_*.sh):
+# Sourced by the #24 bench scripts (choose_exits.sh, bench_table128.sh, bench_metasd_*.sh) and
+# the #23 ones of 2026-12-02 (bench_feature_sampled.sh, bench_eagle_pld.sh):
 # what they share, declared once.  Overridable from the environment.
 PY=${PY:-.venv/bin/python}
 HEADS=${HEADS:-outputs/heads/exits_4a7_14.safetensors}   # mlp 4 + adapter 7 + mlp 14
 FEATURE=${FEATURE:-outputs/train_heads/feature_sb_ft/feature_head.safetensors}
+# the feature head on 4x the in-domain answers (#23, 2026-12-02: specbench_samples=3)
+NEW=${NEW:-outputs/train_heads/feature_sb_s3/feature_head.safetensors}
 # two held-out Spec-Bench questions per category, none trained on by any head (the table)
 TABLE_IDS="[101,125,173,197,245,269,341,365,413,437,485,509]"
 # one more held-out question per category, not in the table (choosing the exits)
