@@ -83,6 +83,11 @@ def main() -> None:
     )
     ap.add_argument("--categories", nargs="*", default=None)
     ap.add_argument(
+        "--ids", nargs="*", default=None,
+        help="Spec-Bench question ids to keep (e.g. prompts no head trained on), before "
+        "--categories / --per-category / --prompts",
+    )
+    ap.add_argument(
         "--per-category", type=int, default=None,
         help="take this many prompts of each category (then --prompts caps the total)",
     )
@@ -97,14 +102,16 @@ def main() -> None:
     ap.add_argument(
         "--feature-head", default=None,
         help="a feature-head file (train_heads head=feature), or 'default': adds ours_feature "
-        "(k = --feature-k), ours_feature_adaptive and ours_feature_k<N> for --feature-ks",
+        "(k = --feature-k), ours_feature_adaptive, ours_feature_k<N> for --feature-ks and "
+        "ours_eagle_pld (prompt lookup first, the head at k = --feature-k where it finds "
+        "nothing: conf/drafter/pld_then_feature.yaml)",
     )
     ap.add_argument("--feature-k", type=int, default=4)
     ap.add_argument("--feature-ks", type=int, nargs="*", default=[])
     ap.add_argument("--only", nargs="*", default=None, help="subset of method names to run")
     ap.add_argument("--out", default=None, help="write the raw measurements as JSON here")
     args = ap.parse_args()
-    if args.prompts is None and args.per_category is None:
+    if args.prompts is None and args.per_category is None and not args.ids:
         args.prompts = 4
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,7 +128,8 @@ def main() -> None:
     eos = tuple(target.info.eos_token_ids)
 
     requests = SpecBench(
-        categories=args.categories, limit=args.prompts, per_category=args.per_category
+        categories=args.categories, limit=args.prompts, per_category=args.per_category,
+        ids=args.ids,
     ).requests()
     settings = RunSettings()
     prompts = [
@@ -183,6 +191,11 @@ def main() -> None:
             ours[f"ours_feature_k{k}"] = SpeculativePipeline(
                 verifier, StandardAcceptor(), drafter=feature(k)
             )
+        ours["ours_eagle_pld"] = SpeculativePipeline(  # conf/drafter/pld_then_feature.yaml
+            verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                PLDDrafter(k=args.pld_k, max_ngram=4, min_ngram=2), feature(args.feature_k)
+            )
+        )
 
     def run_ours(pipe: SpeculativePipeline) -> Callable[[list[int]], tuple[list[int], float]]:
         def go(prompt: list[int]) -> tuple[list[int], float]:
@@ -350,11 +363,20 @@ def main() -> None:
         ("ours_feature", "hf_pld"),
         ("ours_feature_adaptive", "hf_sps"),
         ("ours_feature_adaptive", "hf_pld"),
+        ("ours_eagle_pld", "hf_sps"),
+        ("ours_eagle_pld", "hf_pld"),
     ]
     print()
     for a, b in pairs:
         if a in med and b in med:
             print(f"{a} / {b} = {med[a] / med[b]:.2f}x")
+    hf_fast = [m for m in ("hf_sps", "hf_pld") if m in med]
+    if hf_fast:  # each of ours against HF's best speculative method of this run
+        best = max(hf_fast, key=med.__getitem__)
+        print(f"\nHF generate's best here: {best} ({med[best]:.2f} tokens/s); ours / it:")
+        for m in ours:
+            if m in med:
+                print(f"  {m:<24}{med[m] / med[best]:.2f}x")
     if args.out:
         Path(args.out).write_text(
             json.dumps(
