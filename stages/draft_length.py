@@ -16,6 +16,11 @@ The adaptive model.  Draft tokens are accepted one after the other with probabil
 
 and costs ``k * t_draft + t_verify(k + 1)`` seconds, with ``t_verify(n) = t1 * (1 + beta (n-1))``
 (one target pass over n tokens; beta is the marginal cost of an extra token, measured).
+beta is estimated from two moving averages taken over the same recent rounds, ``v`` of a
+drafting round's verification seconds and ``kbar`` of its draft length:
+``beta = max(0, (v / t1 - 1) / kbar)`` (the linear model averaged), recomputed whenever ``t1``
+or ``v`` moves, so a verification measured at a longer context than an old ``t1`` does not
+stay in beta as a cost of drafting once a plain round re-measures ``t1``.
 It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..limit``.  alpha is estimated from
 the positions tried (a position is tried when every earlier one was accepted), with a
 Beta(1, 1) prior and a discount so it follows drift within a request, and used
@@ -23,9 +28,14 @@ optimistically (alpha + ``optimism`` standard errors).  A new request inherits t
 previous request's times and, shrunk to ``prior_strength`` positions, its acceptance
 evidence: short answers would otherwise be over before the model has learned anything.
 After ``probe_every`` plain rounds in a row it drafts one token to re-measure a skipped
-drafter (cost: ~1/probe_every of a token).  Each request runs one plain round early (its
-second round, or its first when timings are inherited) so that t1 is measured, not derived:
-from drafting rounds alone t1 and beta cannot be told apart, and t1 grows with the context.
+drafter (cost: ~1/probe_every of a token); with ``idle_discount < 1`` each plain round also
+shrinks the acceptance evidence (``tried``, ``accepted``) by that factor, so the longer a
+drafter sits out, the closer its estimate returns to the optimistic Beta(1, 1) prior and the
+sooner the policy tries it again (evidence gathered at a break-even acceptance otherwise
+keeps a useful drafter out for the rest of a request).  Each request runs one plain round
+early (its second round, or its first when timings are inherited) so that t1 is measured, not
+derived: from drafting rounds alone t1 and beta cannot be told apart, and t1 grows with the
+context.
 A model drafter that is behind (its lazy prefill, tokens committed while it sat idle) must
 catch up before it drafts; that one-off cost (measured seconds per position x positions
 behind) is charged against drafting: the policy resumes only when the expected saving over
@@ -106,6 +116,13 @@ class CostModel:
     t1_measured: bool = False  # a plain round of this request has measured t1
     t_catchup: float | None = None  # seconds per position of a drafter catch-up (EMA)
     synced_at: int | None = None  # sequence length at this request's last drafting round
+    verify_draft: float | None = None  # seconds of a drafting round's verification (EMA)
+    k_draft: float | None = None  # tokens drafted in a drafting round (EMA, same weights)
+
+    def refit_beta(self) -> None:
+        """beta from the drafting rounds' averages against the current t1 (module doc)."""
+        if self.t1_measured and self.t1 and self.verify_draft is not None and self.k_draft:
+            self.beta = max(0.0, (self.verify_draft / self.t1 - 1.0) / self.k_draft)
 
     def alpha(self, optimism: float) -> float:
         mean = (self.accepted + 1.0) / (self.tried + 2.0)
@@ -132,6 +149,8 @@ class AdaptiveDraftLength:
         probe_budget: a re-probe is skipped while the drafter's catch-up (its prefill, or the
             tokens committed while it sat idle) would cost more than this fraction of the
             request's remaining time at plain-decoding speed.
+        idle_discount: weight kept by the acceptance evidence per plain round (1: none
+            lost while the drafter sits out; module doc).
     """
 
     def __init__(
@@ -143,9 +162,15 @@ class AdaptiveDraftLength:
         probe_every: int = 16,
         prior_strength: float = 8.0,
         probe_budget: float = 0.05,
+        idle_discount: float = 1.0,
     ) -> None:
         if not 0.0 < discount <= 1.0:
             raise ConfigError(f"draft_length.discount must be in (0, 1], got {discount}")
+        if not 0.0 < idle_discount <= 1.0:
+            raise ConfigError(
+                f"draft_length.idle_discount must be in (0, 1], got {idle_discount}"
+            )
+        self.idle_discount = idle_discount
         self.discount = discount
         self.optimism = optimism
         self.beta_prior = beta_prior
@@ -238,6 +263,9 @@ class AdaptiveDraftLength:
             m.t1 = verify_s if not m.t1_measured else smooth(m.t1, verify_s)
             m.t1_measured = True
             m.plain_streak += 1
+            m.tried *= self.idle_discount
+            m.accepted *= self.idle_discount
+            m.refit_beta()
             return
         m.plain_streak = 0
         behind = len(state.tokens) - (m.synced_at or 0)
@@ -247,8 +275,8 @@ class AdaptiveDraftLength:
         m.tried = self.discount * m.tried + min(accepted + 1, drafted)
         m.accepted = self.discount * m.accepted + accepted
         m.t_draft = smooth(m.t_draft, draft_s / drafted)
+        m.verify_draft = smooth(m.verify_draft, verify_s)
+        m.k_draft = smooth(m.k_draft, float(drafted))
         if m.t1 is None:
             m.t1 = verify_s / (1.0 + m.beta * drafted)  # until a plain round measures it
-        else:
-            beta = (verify_s / m.t1 - 1.0) / drafted
-            m.beta = max(0.0, smooth(m.beta, beta))
+        m.refit_beta()  # once a plain round has measured t1

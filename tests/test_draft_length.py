@@ -8,6 +8,7 @@ import pytest
 from specflow.acceptance import StandardAcceptor
 from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
 from specflow.kv.stores import KVStores
 from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
@@ -229,3 +230,49 @@ def test_re_probes_are_skipped_while_the_catch_up_is_too_expensive():
         # behind by >= 4 positions since the last draft: 2e-2 s/position * 4 = 0.08 s > 5 %
         # of the remaining <= 95 tokens * 10 ms; 1e-5 s/position is always cheap enough
         assert (1 in ks) == expect_probe, ks
+
+
+def test_beta_is_refit_against_the_latest_t1():
+    """beta compares the drafting rounds' verification with the current t1: a verification
+    measured after the context grew counts as a cost of drafting only until a plain round
+    re-measures t1 at that context (exact numbers: ema = 1 keeps the latest measurement)."""
+    policy = AdaptiveDraftLength(optimism=0.0, ema=1.0)
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    model = policy.cost_model(state)
+    policy.observe(state, 4, 1, 4 * 0.05 * T1, T1 * 1.4)  # t1 still derived: beta unchanged
+    assert model.beta == pytest.approx(0.1) and not model.t1_measured
+    policy.observe(state, 0, 0, 0.0, T1)  # t1 = T1: beta = (1.4 / 1 - 1) / 4
+    assert model.beta == pytest.approx(0.1)
+    policy.observe(state, 2, 1, 2 * 0.05 * T1, 1.5 * T1)  # the context grew: every pass slower
+    assert model.beta == pytest.approx(0.25)  # against the old t1: (1.5 - 1) / 2
+    policy.observe(state, 0, 0, 0.0, 1.5 * T1)  # a plain round at the new context
+    assert model.beta == 0.0  # (1.5 / 1.5 - 1) / 2: no marginal cost after all
+
+
+def _rounds_until_it_drafts_again(idle_discount: float, limit: int = 60) -> int | None:
+    """Ten failed one-token drafts, then plain rounds: the first round that drafts again
+    (no re-probes: probe_every is out of reach), or None."""
+    policy = AdaptiveDraftLength(probe_every=10**6, idle_discount=idle_discount, ema=1.0)
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    policy.observe(state, 0, 0, 0.0, T1)  # t1 measured
+    for _ in range(10):
+        policy.observe(state, 1, 0, 0.3 * T1, T1)  # rejected; beta = 0, a 0.3 t1 draft
+    for r in range(limit):
+        if policy.choose(state, 2) > 0:
+            return r
+        policy.observe(state, 0, 0, 0.0, T1)
+    return None
+
+
+def test_idle_discount_lets_a_skipped_drafter_back_in():
+    """Evidence fades while a drafter sits out (idle_discount < 1), so the optimistic prior
+    brings it back after a few plain rounds; with 1 (the default) it waits for a re-probe."""
+    assert _rounds_until_it_drafts_again(1.0) is None
+    # 10 failed drafts leave 8.0 positions of evidence (discount 0.95), alpha 0.15 with
+    # optimism; drafting pays once alpha > t_draft / t1 = 0.3 (beta 0), i.e. once the
+    # evidence has faded to about 8.0 * 0.9^10 = 2.8 positions: the tenth plain round
+    assert _rounds_until_it_drafts_again(0.9) == 10
+    with pytest.raises(ConfigError, match="idle_discount"):
+        AdaptiveDraftLength(idle_discount=0.0)
