@@ -137,6 +137,10 @@ def main() -> None:
     ]
 
     verifier = FullVerifier(target.lm)
+
+    def fallback_pld() -> PLDDrafter:  # the `first` of conf/drafter/pld_then_*.yaml
+        return PLDDrafter(k=args.pld_k, max_ngram=4, min_ngram=2)
+
     ours: dict[str, SpeculativePipeline] = {
         "ours_ar": SpeculativePipeline(verifier, StandardAcceptor()),
         "ours_pld": SpeculativePipeline(
@@ -162,8 +166,7 @@ def main() -> None:
 
         def pld_then_model() -> FallbackDrafter:  # conf/drafter/pld_then_model.yaml
             return FallbackDrafter(
-                PLDDrafter(k=args.pld_k, max_ngram=4, min_ngram=2),
-                ModelDrafter(drafter.lm, k=args.k),
+                fallback_pld(), ModelDrafter(drafter.lm, k=args.k),
             )
 
         ours["ours_pld_sps"] = SpeculativePipeline(
@@ -193,7 +196,7 @@ def main() -> None:
             )
         ours["ours_eagle_pld"] = SpeculativePipeline(  # conf/drafter/pld_then_feature.yaml
             verifier, StandardAcceptor(), drafter=FallbackDrafter(
-                PLDDrafter(k=args.pld_k, max_ngram=4, min_ngram=2), feature(args.feature_k)
+                fallback_pld(), feature(args.feature_k)
             )
         )
 
