@@ -6,9 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-HEAD=${HEAD:-outputs/train_heads/feature_sb_s3_ft5/feature_head.safetensors}
+HEAD=${HEAD:-$NEW_FT5}
 EAGLE_PLD="+experiment=eagle_pld drafter.then.head=$HEAD"
-bench "${OUT:-outputs/issue23/adaptive_eagle_pld}" "[125,197,269,365,437,509]" 128 \
+bench "${OUT:-outputs/issue23/adaptive_eagle_pld}" "$ADAPTIVE_IDS" 128 \
   --method plain "+experiment=ar" \
   --method eagle_pld "$EAGLE_PLD" \
   --method eagle_pld_adaptive_idle "$EAGLE_PLD draft_length=adaptive draft_length.idle_discount=0.9" \

@@ -7,9 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-HEAD=${HEAD:-outputs/train_heads/feature_sb_s3_ft5/feature_head.safetensors}
+HEAD=${HEAD:-$NEW_FT5}
 EAGLE="+experiment=eagle drafter.head=$HEAD"
-bench "${OUT:-outputs/issue23/adaptive_feature}" "[125,197,269,365,437,509]" 128 \
+bench "${OUT:-outputs/issue23/adaptive_feature}" "$ADAPTIVE_IDS" 128 \
   --method plain "+experiment=ar" \
   --method eagle_k2 "$EAGLE drafter.k=2" \
   --method eagle_adaptive "$EAGLE drafter.k=3 draft_length=adaptive" \

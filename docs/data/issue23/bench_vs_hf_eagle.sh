@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-HEAD=${HEAD:-outputs/train_heads/feature_sb_s3_ft5/feature_head.safetensors}
+HEAD=${HEAD:-$NEW_FT5}
 IDS=$(echo "$TABLE_IDS" | tr -d '[]' | tr ',' ' ')
 # shellcheck disable=SC2086
 $PY scripts/bench_vs_hf.py --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b \

@@ -1,15 +1,20 @@
 # Sourced by the #24 bench scripts (choose_exits.sh, bench_table128.sh, bench_metasd_*.sh) and
-# the #23 ones of 2026-12-02 (bench_feature_sampled.sh, bench_eagle_pld.sh):
+# the #23 ones of 2026-12-02 (bench_feature_sampled.sh, bench_eagle_pld.sh,
+# bench_vs_hf_eagle.sh, bench_adaptive_*.sh):
 # what they share, declared once.  Overridable from the environment.
 PY=${PY:-.venv/bin/python}
 HEADS=${HEADS:-outputs/heads/exits_4a7_14.safetensors}   # mlp 4 + adapter 7 + mlp 14
 FEATURE=${FEATURE:-outputs/train_heads/feature_sb_ft/feature_head.safetensors}
 # the feature head on 4x the in-domain answers (#23, 2026-12-02: specbench_samples=3)
 NEW=${NEW:-outputs/train_heads/feature_sb_s3/feature_head.safetensors}
+# that head after five more epochs on the cached data (#23, 2026-12-02, second session)
+NEW_FT5=${NEW_FT5:-outputs/train_heads/feature_sb_s3_ft5/feature_head.safetensors}
 # two held-out Spec-Bench questions per category, none trained on by any head (the table)
 TABLE_IDS="[101,125,173,197,245,269,341,365,413,437,485,509]"
 # one more held-out question per category, not in the table (choosing the exits)
 CHOOSE_IDS="[149,221,293,389,461,533]"
+# the table's second question of each category: not used to diagnose the adaptive policy (#23)
+ADAPTIVE_IDS="[125,197,269,365,437,509]"
 # what every experiment of a bench gets: the target, its heads, first turns, 2 threads
 common() {  # common IDS MAX_NEW_TOKENS
   echo "model=qwen2.5-coder-1.5b model.exit_heads=$HEADS workload.ids=$1 \
