@@ -24,12 +24,25 @@ stay in beta as a cost of drafting once a plain round re-measures ``t1``.
 It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..limit``.  alpha is estimated from
 the positions tried (a position is tried when every earlier one was accepted), with a
 Beta(1, 1) prior and a discount so it follows drift within a request, and used
-optimistically (alpha + ``optimism`` standard errors).  A new request inherits the
-previous request's times and, shrunk to ``prior_strength`` positions, its acceptance
-evidence: short answers would otherwise be over before the model has learned anything.
+optimistically (alpha + ``optimism`` standard errors).
+
+With ``acceptance: per_position`` each draft position j = 1, 2, ... has its own rate alpha_j
+(the share of drafts whose j-th token was accepted once the first j - 1 were), and
+
+    E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i
+
+A drafter whose second token is accepted far less often than its first (a feature head
+drafting from its own predicted features: about 0.2 against 0.32, ``docs/benchmarks.md``
+§16) is over-drafted by the geometric model, which pools both.  alpha_j is shrunk towards
+the pooled estimate with ``position_strength`` pseudo-positions, so a position tried rarely
+(a deep one) behaves as the geometric model until its own evidence counts.
+
+A new request inherits the previous request's times and, shrunk to ``prior_strength``
+positions, its acceptance evidence: short answers would otherwise be over before the model
+has learned anything.
 After ``probe_every`` plain rounds in a row it drafts one token to re-measure a skipped
 drafter (cost: ~1/probe_every of a token); with ``idle_discount < 1`` each plain round also
-shrinks the acceptance evidence (``tried``, ``accepted``) by that factor, so the longer a
+shrinks the acceptance evidence (pooled and per position) by that factor, so the longer a
 drafter sits out, the closer its estimate returns to the optimistic Beta(1, 1) prior and the
 sooner the policy tries it again (evidence gathered at a break-even acceptance otherwise
 keeps a useful drafter out for the rest of a request).  Each request runs one plain round
@@ -46,7 +59,7 @@ the tokens still allowed pays it back, and skips re-probes costing more than
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specflow.errors import ConfigError
 from specflow.state import DecodeState, RequestLocal
@@ -118,6 +131,8 @@ class CostModel:
     synced_at: int | None = None  # sequence length at this request's last drafting round
     verify_draft: float | None = None  # seconds of a drafting round's verification (EMA)
     k_draft: float | None = None  # tokens drafted in a drafting round (EMA, same weights)
+    pos_tried: list[float] = field(default_factory=list)  # [j]: position j+1 tried (discounted)
+    pos_accepted: list[float] = field(default_factory=list)  # [j]: ... and accepted
 
     def refit_beta(self) -> None:
         """beta from the drafting rounds' averages against the current t1 (module doc)."""
@@ -129,10 +144,58 @@ class CostModel:
         stderr = math.sqrt(mean * (1.0 - mean) / (self.tried + 2.0))
         return min(0.999, mean + optimism * stderr)
 
+    def position_alphas(self, k: int, optimism: float, strength: float) -> list[float]:
+        """alpha_1 .. alpha_k (module doc): each position's own evidence plus ``strength``
+        pseudo-positions at the pooled mean, used optimistically like ``alpha``."""
+        pooled = (self.accepted + 1.0) / (self.tried + 2.0)
+        out = []
+        for j in range(k):
+            n = (self.pos_tried[j] if j < len(self.pos_tried) else 0.0) + strength
+            a = self.pos_accepted[j] if j < len(self.pos_accepted) else 0.0
+            mean = (a + strength * pooled) / n if n > 0 else pooled
+            stderr = math.sqrt(mean * (1.0 - mean) / max(n, 1.0))
+            out.append(min(0.999, mean + optimism * stderr))
+        return out
+
+    def record_positions(self, drafted: int, accepted: int, discount: float) -> None:
+        """A drafting round of ``drafted`` tokens: the evidence of positions 1 .. drafted
+        decays by ``discount`` (a deeper position learns nothing from a shorter draft, so it
+        keeps its evidence); positions 1 .. min(accepted + 1, drafted) were tried, 1 ..
+        accepted accepted."""
+        tried = min(accepted + 1, drafted)
+        grow = tried - len(self.pos_tried)
+        if grow > 0:
+            self.pos_tried += [0.0] * grow
+            self.pos_accepted += [0.0] * grow
+        for j in range(min(drafted, len(self.pos_tried))):
+            self.pos_tried[j] = discount * self.pos_tried[j] + (1.0 if j < tried else 0.0)
+            self.pos_accepted[j] = discount * self.pos_accepted[j] + (
+                1.0 if j < accepted else 0.0)
+
+    def scale_evidence(self, factor: float) -> None:
+        """Shrink the acceptance evidence (pooled and per position) by ``factor``."""
+        self.tried *= factor
+        self.accepted *= factor
+        self.pos_tried = [t * factor for t in self.pos_tried]
+        self.pos_accepted = [a * factor for a in self.pos_accepted]
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Mean tokens a k-token round commits under the geometric model, bonus included."""
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_tokens_by_position(alphas: list[float], k: int) -> float:
+    """``1 + sum_{j<=k} prod_{i<=j} alpha_i``: mean tokens of a k-token round, bonus
+    included, when position j is accepted with ``alphas[j-1]`` once the earlier ones were."""
+    total, reach = 1.0, 1.0
+    for a in alphas[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+ACCEPTANCE_MODELS = ("geometric", "per_position")
 
 
 class AdaptiveDraftLength:
@@ -151,6 +214,10 @@ class AdaptiveDraftLength:
             request's remaining time at plain-decoding speed.
         idle_discount: weight kept by the acceptance evidence per plain round (1: none
             lost while the drafter sits out; module doc).
+        acceptance: ``geometric`` (one alpha for every draft position) or
+            ``per_position`` (alpha_j per position, shrunk towards the pooled one; module doc).
+        position_strength: with ``per_position``, the pseudo-positions at the pooled mean
+            that each position's estimate starts from.
     """
 
     def __init__(
@@ -163,7 +230,20 @@ class AdaptiveDraftLength:
         prior_strength: float = 8.0,
         probe_budget: float = 0.05,
         idle_discount: float = 1.0,
+        acceptance: str = "geometric",
+        position_strength: float = 2.0,
     ) -> None:
+        if acceptance not in ACCEPTANCE_MODELS:
+            raise ConfigError(
+                f"draft_length.acceptance must be one of {list(ACCEPTANCE_MODELS)}, "
+                f"got '{acceptance}'"
+            )
+        if position_strength < 0:
+            raise ConfigError(
+                f"draft_length.position_strength must be >= 0, got {position_strength}"
+            )
+        self.acceptance = acceptance
+        self.position_strength = position_strength
         if not 0.0 < discount <= 1.0:
             raise ConfigError(f"draft_length.discount must be in (0, 1], got {discount}")
         if not 0.0 < idle_discount <= 1.0:
@@ -191,17 +271,18 @@ class AdaptiveDraftLength:
             self._model.set(state, CostModel(beta=self.beta_prior))
             return
         scale = min(1.0, self.prior_strength / prev.tried) if prev.tried > 0 else 0.0
-        self._model.set(
-            state,
-            CostModel(
-                tried=prev.tried * scale,
-                accepted=prev.accepted * scale,
-                t_draft=prev.t_draft,
-                t1=prev.t1,
-                beta=prev.beta,
-                t_catchup=prev.t_catchup,
-            ),
+        model = CostModel(
+            tried=prev.tried,
+            accepted=prev.accepted,
+            t_draft=prev.t_draft,
+            t1=prev.t1,
+            beta=prev.beta,
+            t_catchup=prev.t_catchup,
+            pos_tried=list(prev.pos_tried),
+            pos_accepted=list(prev.pos_accepted),
         )
+        model.scale_evidence(scale)
+        self._model.set(state, model)
 
     def cost_model(self, state: DecodeState) -> CostModel:
         """The request's online estimates."""
@@ -222,10 +303,14 @@ class AdaptiveDraftLength:
             # to date would cost more than `probe_budget` of what is left to decode.
             return 1 if catchup <= self.probe_budget * remaining * m.t1 else 0
         alpha = m.alpha(self.optimism)
+        alphas = (m.position_alphas(limit, self.optimism, self.position_strength)
+                  if self.acceptance == "per_position" else [])
         best_k, best_rate = 0, 1.0 / m.t1
         for k in range(1, limit + 1):
             cost = k * m.t_draft + m.t1 * (1.0 + m.beta * k)
-            rate = expected_tokens(alpha, k) / cost
+            tokens = (expected_tokens_by_position(alphas, k) if alphas
+                      else expected_tokens(alpha, k))
+            rate = tokens / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k and catchup > remaining * (m.t1 - 1.0 / best_rate):
@@ -263,8 +348,7 @@ class AdaptiveDraftLength:
             m.t1 = verify_s if not m.t1_measured else smooth(m.t1, verify_s)
             m.t1_measured = True
             m.plain_streak += 1
-            m.tried *= self.idle_discount
-            m.accepted *= self.idle_discount
+            m.scale_evidence(self.idle_discount)
             m.refit_beta()
             return
         m.plain_streak = 0
@@ -274,6 +358,7 @@ class AdaptiveDraftLength:
         m.synced_at = len(state.tokens)
         m.tried = self.discount * m.tried + min(accepted + 1, drafted)
         m.accepted = self.discount * m.accepted + accepted
+        m.record_positions(drafted, accepted, self.discount)
         m.t_draft = smooth(m.t_draft, draft_s / drafted)
         m.verify_draft = smooth(m.verify_draft, verify_s)
         m.k_draft = smooth(m.k_draft, float(drafted))

@@ -3,6 +3,8 @@ perfect one; the heuristic follows HF's schedule; greedy identity holds througho
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from specflow.acceptance import StandardAcceptor
@@ -12,7 +14,12 @@ from specflow.errors import ConfigError
 from specflow.kv.stores import KVStores
 from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
-from stages.draft_length import AdaptiveDraftLength, HeuristicDraftLength, expected_tokens
+from stages.draft_length import (
+    AdaptiveDraftLength,
+    HeuristicDraftLength,
+    expected_tokens,
+    expected_tokens_by_position,
+)
 from stages.full_verifier import FullVerifier
 from tests.conftest import hf_greedy
 from tests.test_engine_greedy import OracleDrafter
@@ -276,3 +283,37 @@ def test_idle_discount_lets_a_skipped_drafter_back_in():
     assert _rounds_until_it_drafts_again(0.9) == 10
     with pytest.raises(ConfigError, match="idle_discount"):
         AdaptiveDraftLength(idle_discount=0.0)
+
+
+def _first_token_only(policy, rounds: int = 120) -> list[int]:
+    """A drafter whose first draft token is always accepted and every later one rejected
+    (a feature head after its first step, exaggerated): the k chosen each round."""
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    ks = []
+    for _ in range(rounds):
+        k = policy.choose(state, 4)
+        ks.append(k)
+        policy.observe(state, k, min(k, 1), k * 0.1 * T1, T1 * (1 + 0.1 * k))
+    return ks
+
+
+def test_per_position_acceptance_stops_where_acceptance_stops():
+    """The geometric model pools the first position (always accepted) with the second (never)
+    into alpha = 1/2 and keeps drafting past the first token; per position, alpha_1 -> 1 and
+    alpha_2 -> 0, so k = 1: 2 tokens for 1.2 steps, where k = 2 buys nothing for 0.2 more.
+    (Two rounds of the 100 re-try a deeper position: its prior is the pooled rate, and the
+    optimism bonus of a rarely tried position.)"""
+    per_position = _first_token_only(AdaptiveDraftLength(acceptance="per_position"))
+    assert Counter(per_position[20:]) == {1: 98, 2: 1, 3: 1}
+    geometric = _first_token_only(AdaptiveDraftLength())
+    assert Counter(geometric[20:]) == {2: 100}  # alpha = 1/2 pooled: one token too many
+    with pytest.raises(ConfigError, match="acceptance"):
+        AdaptiveDraftLength(acceptance="tree")
+
+
+def test_expected_tokens_by_position():
+    assert expected_tokens_by_position([0.5, 0.5, 0.5], 2) == pytest.approx(
+        expected_tokens(0.5, 2))
+    assert expected_tokens_by_position([1.0, 0.0, 1.0], 3) == 2.0
+    assert expected_tokens_by_position([0.3, 0.2], 2) == pytest.approx(1 + 0.3 + 0.06)

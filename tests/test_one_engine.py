@@ -114,6 +114,14 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
         )
     if method == "layer_skip":
         return pipe(LayerSkipDrafter(lm, [1, 3], k=3))
+    if method == "metasd_eagle":  # eagle_pld and PLD -> draft model, cost-aware reward
+        arms = {
+            "eagle_pld": FallbackDrafter(PLDDrafter(k=5, min_ngram=2),
+                                         FeatureDrafter(lm, head=feature_head, k=2)),
+            "pld_model": pld_model(),
+        }
+        return pipe(PoolDrafter(arms, UCBSelector(c=0.3, prior=6), reward="rate",
+                                rate_scale=3.0))
     if method == "metasd_adapter":  # the adapter's arm sits idle in some rounds
         arms = {"pld": PLDDrafter(k=4), "exit_early": ModelDrafter(lm, k=3, exit_layer=2)}
         return pipe(PoolDrafter(arms, RoundRobinSelector()))
@@ -158,6 +166,7 @@ METHODS = [
     "feature",
     "feature_adaptive",
     "pld_then_feature",
+    "metasd_eagle",
 ]
 
 
@@ -185,7 +194,8 @@ def test_every_pipeline_equals_hf_greedy(method, batch_size, kind, target, draft
     assert max(sched.stats.occupancy) == batch_size
     if method != "ar":
         assert sum(g.stats.drafted for g in gens) > 0  # speculation happened
-    if method in ("metasd_ucb", "metasd_discounted_ucb", "metasd_round_robin", "metasd_adapter"):
+    if method in ("metasd_ucb", "metasd_discounted_ucb", "metasd_round_robin", "metasd_adapter",
+                  "metasd_eagle"):
         assert len({a for g in gens for a in g.stats.arms}) > 1  # several arms drafted
 
 
