@@ -78,12 +78,14 @@ def compose_experiments(common: list[str], methods: list[tuple[str, str]]) -> li
 
 
 def check_shared_models(experiments: list[Experiment]) -> None:
-    """Refuse experiments that give one model different exit heads: the heads attach to the
-    one model object every experiment shares, so the last attached would serve them all.
+    """Refuse experiments that give one model different exit heads or ``min_rows``: the
+    heads and the row padding attach to the one model object every experiment shares, so
+    the last attached would serve them all.
     An experiment that gives none (``exit_heads: null``) runs with whatever the others
     attached: plain decoding and model drafters never read them, but an early exit through
     the shared head would (give it the same file, or bench it apart)."""
     seen: dict[str, tuple[str, Any]] = {}
+    rows_seen: dict[str, tuple[str, Any]] = {}
     for exp in experiments:
         for _, model in model_configs(exp.cfg):
             heads = model.get("exit_heads")
@@ -96,6 +98,13 @@ def check_shared_models(experiments: list[Experiment]) -> None:
                 )
             if heads is not None or name not in seen:
                 seen[name] = (exp.name, heads)
+            rows = model.get("min_rows", 1)
+            if rows_seen.setdefault(name, (exp.name, rows))[1] != rows:
+                raise ConfigError(
+                    f"experiments {rows_seen[name][0]!r} and {exp.name!r} give model {name!r} "
+                    f"different min_rows ({rows_seen[name][1]} vs {rows}); they share one "
+                    f"model: pass model.min_rows in --common"
+                )
 
 
 def run_interleaved(runs: dict[str, PreparedRun]) -> None:

@@ -37,6 +37,7 @@ from specflow.cpu import probe_cpu, resolve_dtype  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
+from specflow.models.row_padding import probe_min_rows  # noqa: E402
 from specflow.runner import build_prompt  # noqa: E402
 from specflow.scheduler import generate  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
@@ -108,6 +109,12 @@ def main() -> None:
     )
     ap.add_argument("--feature-k", type=int, default=4)
     ap.add_argument("--feature-ks", type=int, nargs="*", default=[])
+    ap.add_argument(
+        "--min-rows", type=int, default=None,
+        help="adds <method>_rows for each of ours: the same pipeline with the models' packed "
+        "matmuls padded to this many rows (model.min_rows; 0: the probed row count, "
+        "specflow/models/row_padding.py); ours without the suffix run unpadded",
+    )
     ap.add_argument("--only", nargs="*", default=None, help="subset of method names to run")
     ap.add_argument("--out", default=None, help="write the raw measurements as JSON here")
     args = ap.parse_args()
@@ -200,9 +207,26 @@ def main() -> None:
             )
         )
 
-    def run_ours(pipe: SpeculativePipeline) -> Callable[[list[int]], tuple[list[int], float]]:
+    padded_models = [m.lm for m in (target, drafter) if m is not None]
+    rows = 1
+    if args.min_rows is not None:
+        rows = args.min_rows
+        if rows == 0:
+            probe = probe_min_rows(target.lm)
+            rows = probe.chosen
+            print(f"row probe (ms by rows): "
+                  f"{ {r: round(t * 1e3, 2) for r, t in probe.seconds.items()} } -> {rows}")
+
+    def run_ours(pipe: SpeculativePipeline, min_rows: int = 1
+                 ) -> Callable[[list[int]], tuple[list[int], float]]:
         def go(prompt: list[int]) -> tuple[list[int], float]:
-            gen = generate(pipe, prompt, args.max_new_tokens, stop_token_ids=eos)
+            for lm in padded_models:
+                lm.min_rows = min_rows
+            try:
+                gen = generate(pipe, prompt, args.max_new_tokens, stop_token_ids=eos)
+            finally:
+                for lm in padded_models:
+                    lm.min_rows = 1
             last_stats[0] = gen
             return gen.tokens, gen.total_s
 
@@ -228,6 +252,8 @@ def main() -> None:
 
     last_stats: list = [None]  # the Generation of the latest ours call
     methods: dict[str, Callable] = {name: run_ours(p) for name, p in ours.items()}
+    if args.min_rows is not None:
+        methods.update({f"{name}_rows": run_ours(p, rows) for name, p in ours.items()})
     methods["hf_ar"] = run_hf()
     methods["hf_pld"] = run_hf(prompt_lookup_num_tokens=10)
     if hf_drafter is not None:
@@ -244,12 +270,14 @@ def main() -> None:
     # per (method, prompt): [tokens, seconds] summed over repeats (the per-category tables)
     per_prompt: dict[str, list[list[float]]] = {m: [[0, 0.0] for _ in prompts] for m in methods}
     # per (method, prompt): [rounds, accepted] of ours (tau = 1 + accepted / rounds)
-    per_prompt_rounds: dict[str, list[list[int]]] = {m: [[0, 0] for _ in prompts] for m in ours}
+    ours_run = [m for m in methods if m.startswith("ours_")]  # padded variants included
+    per_prompt_rounds: dict[str, list[list[int]]] = {
+        m: [[0, 0] for _ in prompts] for m in ours_run}
     # per method of ours, pooled: seconds per stage and drafted tokens (the cost of a draft
     # token and of a verification round)
     stage_totals: dict[str, dict[str, float]] = {
         m: dict.fromkeys(("prefill_s", "draft_s", "verify_s", "accept_s", "drafted",
-                          "accepted", "rounds"), 0.0) for m in ours}
+                          "accepted", "rounds"), 0.0) for m in ours_run}
     started = time.perf_counter()
     for rep in range(args.repeats):
         tokens = dict.fromkeys(methods, 0)
@@ -377,7 +405,7 @@ def main() -> None:
     if hf_fast:  # each of ours against HF's best speculative method of this run
         best = max(hf_fast, key=med.__getitem__)
         print(f"\nHF generate's best here: {best} ({med[best]:.2f} tokens/s); ours / it:")
-        for m in ours:
+        for m in ours_run:
             if m in med:
                 print(f"  {m:<24}{med[m] / med[best]:.2f}x")
     if args.out:

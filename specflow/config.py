@@ -44,6 +44,9 @@ class ModelConfig:
             oneDNN runs the dtype (specflow/cpu.py; unpacked otherwise, logged); false
             saves the packed copy's memory (about the model's size) at the cost of slower
             multi-token matmuls.
+        min_rows: packed matmuls of fewer rows (a decoding step: 1) run on this many, zero
+            rows appended (``specflow.models.row_padding``): 1 = never padded; null = the
+            fastest row count, probed once per model on this CPU.
     """
 
     name: str = MISSING
@@ -52,6 +55,7 @@ class ModelConfig:
     trust_remote_code: bool = MISSING
     exit_heads: str | None = MISSING
     packed_weights: bool | None = MISSING
+    min_rows: int | None = MISSING
 
 
 @dataclass

@@ -149,3 +149,21 @@ def test_model_values_come_from_conf_model_only():
         model = _compose([f"model={option}"]).model
         assert OmegaConf.missing_keys(model) == set(), option
         assert model.name == option
+
+
+def test_model_min_rows_reaches_the_loaded_model(tiny_models, deep_tiny):
+    """``model.min_rows`` sets the shared model's row padding when the stages resolve it; 0
+    is refused with its name; the default (null) takes the probed row count."""
+    from specflow.models.row_padding import RowProbe
+
+    lm = deep_tiny[1]
+    try:
+        build_pipeline(_compose(["+experiment=pld", "model.min_rows=3"]))
+        assert lm.min_rows == 3
+        with pytest.raises(ConfigError, match="model.min_rows"):
+            build_pipeline(_compose(["+experiment=pld", "model.min_rows=0"]))
+        lm.row_probe = RowProbe({1: 1.0, 4: 0.5}, 4)  # as if probed: the default takes it
+        build_pipeline(_compose(["+experiment=pld"]))
+        assert lm.min_rows == 4
+    finally:
+        lm.min_rows, lm.row_probe = 1, None

@@ -301,13 +301,15 @@ class FeatureDraftModel:
              ) -> torch.Tensor:
         """``f [R, H]`` (target or predicted features) and ``t_{p+1} [R]`` of the packed rows
         of a ragged batch -> ``f^ [R, H]``; appends the rows to each request's cache."""
+        self.core.min_rows = self.target.min_rows  # the target's row padding (model config)
         emb = self.target.embed(next_ids)  # [R, H]
         x = linear(torch.cat([_unit(emb), _unit(feats.to(emb.dtype))], dim=-1), self.fc_w,
-                   self.fc_b)
+                   self.fc_b, self.core.min_rows)
         return self.core.run_layer(0, x, batch, {})  # [R, H]
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """``f^ [R, H] -> [R, S]`` float32 logits over the draft vocabulary."""
+        self.core.min_rows = self.target.min_rows
         return self.core.head(predicted, 1)
 
     def to_vocab(self, probs: torch.Tensor) -> torch.Tensor:

@@ -114,9 +114,21 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [N, in] @ weight.T + bias`` -> ``[N, out]``, with oneDNN when ``weight`` is packed."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           min_rows: int = 1) -> torch.Tensor:
+    """``x [N, in] @ weight.T + bias`` -> ``[N, out]``, with oneDNN when ``weight`` is packed.
+
+    ``min_rows``: a packed multiply of fewer rows runs on ``min_rows`` rows (zero rows
+    appended, their outputs dropped).  Each output row depends only on its own input row, so
+    the real rows are unchanged up to the kernel's float rounding; it pays where oneDNN's
+    kernels stream the weights faster at a few rows than at one
+    (``specflow.models.row_padding``).
+    """
     if weight.is_mkldnn:
+        n = x.shape[0]
+        if n < min_rows:
+            x = F.pad(x, (0, 0, 0, min_rows - n))  # [min_rows, in]
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:n]
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -193,6 +205,10 @@ class NativeLM:
         # What ``head`` multiplies: ``lm_head`` itself, or its packed copy.
         self.head_weight = lm_head if head_weight is None else head_weight  # [V, H]
         self.packed = layers[0].wqkv.is_mkldnn if layers else False
+        # Packed multiplies of fewer rows run on this many (``linear``; model.min_rows,
+        # ``specflow.models.row_padding``): 1 = as given.
+        self.min_rows = 1
+        self.row_probe: object | None = None  # row_padding.RowProbe, once probed
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -367,6 +383,7 @@ class NativeLM:
                 head_weight=pack(lm_head) if repack else None,
             )
             moved.rope_theta = self.rope_theta
+            moved.min_rows = self.min_rows
             moved.cos = self.cos.to(device=device, dtype=dtype)
             moved.sin_signed = self.sin_signed.to(device=device, dtype=dtype)
             moved.exit_heads = {
@@ -409,20 +426,21 @@ class NativeLM:
         nh, kh, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.hidden_size
 
+        r = self.min_rows
         x = F.rms_norm(hidden, (h,), w.ln1, self.eps)  # [N, H]
-        qkv = linear(x, w.wqkv, w.bqkv)  # [N, (NH + 2KH) * D]
+        qkv = linear(x, w.wqkv, w.bqkv, r)  # [N, (NH + 2KH) * D]
         qk = qkv[:, : (nh + kh) * d].view(n, nh + kh, d)  # [N, NH + KH, D]
         v = qkv[:, (nh + kh) * d :].view(n, kh, d)  # [N, KH, D]
         cos = self.cos[rows].unsqueeze(1)  # [N, 1, D]
         sin = self.sin_signed[rows].unsqueeze(1)
         qk = qk * cos + qk.roll(d // 2, -1) * sin
         att = attention.attend(qk[:, :nh], qk[:, nh:], v, batch, self.scale, memo)  # [N, NH, D]
-        x = linear(att.reshape(n, nh * d), w.wo, w.bo)  # [N, H]
+        x = linear(att.reshape(n, nh * d), w.wo, w.bo, r)  # [N, H]
         hidden = hidden + x
 
         x = F.rms_norm(hidden, (h,), w.ln2, self.eps)  # [N, H]
-        gate, up = linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)  # [N, I] each
-        return hidden + linear(F.silu(gate) * up, w.w_down, w.b_down)  # [N, H]
+        gate, up = linear(x, w.w_gate_up, w.b_gate_up, r).chunk(2, dim=-1)  # [N, I] each
+        return hidden + linear(F.silu(gate) * up, w.w_down, w.b_down, r)  # [N, H]
 
     @torch.no_grad()
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
@@ -430,7 +448,8 @@ class NativeLM:
 
         Runs under ``no_grad`` (not inference mode) so callers may edit the logits in place.
         """
-        return linear(self.head_input(hidden, exit_layer), self.head_weight, None).float()  # [T, V]
+        x = self.head_input(hidden, exit_layer)  # [T, H]
+        return linear(x, self.head_weight, None, self.min_rows).float()  # [T, V]
 
     @torch.no_grad()
     def head_input(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from specflow.kv.base import LayeredLM
 def as_layered_lm(spec: Any) -> LayeredLM:
     """Accept a ``LayeredLM``, a ``LoadedModel``, or a model config: a mapping of
     ``load_model`` keyword arguments and ``exit_heads`` (``conf/model/*.yaml``: ``{name,
-    dtype, backend, trust_remote_code, packed_weights, exit_heads}``)."""
+    dtype, backend, trust_remote_code, packed_weights, exit_heads, min_rows}``)."""
     if isinstance(spec, LayeredLM):
         return spec
     if hasattr(spec, "lm") and isinstance(spec.lm, LayeredLM):
@@ -26,6 +26,7 @@ def as_layered_lm(spec: Any) -> LayeredLM:
         kwargs = dict(spec)
         name = kwargs.pop("name", None) or kwargs.pop("name_or_path", None)
         heads = kwargs.pop("exit_heads", None)
+        min_rows = kwargs.pop("min_rows", 1)
         if not name:
             raise ValueError(
                 f"a model config needs a 'name' (registry name, folder or hub id): {spec}"
@@ -34,6 +35,9 @@ def as_layered_lm(spec: Any) -> LayeredLM:
         lm = load_model(name, **kwargs).lm
         if heads:
             attach_exit_heads(lm, name, heads)
+        from specflow.models.row_padding import apply_min_rows
+
+        apply_min_rows(lm, min_rows)
         return lm
     raise TypeError(f"cannot make a model out of {type(spec).__name__}: {spec!r}")
 

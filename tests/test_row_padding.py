@@ -1,0 +1,93 @@
+"""Row padding of packed matmuls (``model.min_rows``): the choice rule both ways, the probe on
+a packed and an unpacked model, the config's refusals, and greedy identity when padded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specflow.acceptance import StandardAcceptor
+from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
+from specflow.models.native import NativeLM, linear, pack
+from specflow.models.row_padding import RowProbe, apply_min_rows, choose_min_rows, probe_min_rows
+from specflow.models.tiny import tiny_hf_model, tiny_model_info
+from specflow.scheduler import generate
+from stages.full_verifier import FullVerifier
+from stages.pld_drafter import PLDDrafter
+from tests.conftest import hf_greedy
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="this torch has no oneDNN (nothing is packed)")
+
+
+def test_choose_min_rows_pads_only_when_it_pays():
+    assert choose_min_rows({1: 9.32, 2: 10.43, 3: 8.41, 4: 7.30, 5: 7.12, 6: 7.51}) == 5
+    assert choose_min_rows({1: 1.00, 4: 0.97}) == 1  # within the 5 % margin: not worth it
+    assert choose_min_rows({1: 1.00, 2: 1.20, 4: 1.10}) == 1  # one row is fastest
+    assert choose_min_rows({1: 1.00, 3: 0.90, 4: 0.90}) == 3  # a tie: the fewer rows
+    with pytest.raises(ValueError, match="1 row"):
+        choose_min_rows({2: 1.0, 4: 0.5})
+
+
+@needs_onednn
+def test_padded_linear_keeps_every_real_row():
+    torch.manual_seed(0)
+    w = torch.randn(48, 32)
+    x = torch.randn(1, 32)
+    packed = pack(w)
+    one = linear(x, packed, None)
+    padded = linear(x, packed, None, min_rows=5)
+    assert padded.shape == (1, 48)
+    assert torch.allclose(padded, one, atol=1e-5)
+    assert torch.allclose(linear(x, w, None, min_rows=5), x @ w.T, atol=1e-5)  # unpacked: as is
+
+
+@needs_onednn
+def test_probe_times_every_row_count_of_a_packed_model_and_none_of_an_unpacked_one():
+    hf = tiny_hf_model("llama", num_layers=2)
+    packed = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-probe"))
+    probe = probe_min_rows(packed, candidates=(1, 2, 4), layers=2, repeats=2)
+    assert sorted(probe.seconds) == [1, 2, 4] and all(s > 0 for s in probe.seconds.values())
+    assert probe.chosen == choose_min_rows(probe.seconds)
+    unpacked = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-probe"), packed=False)
+    assert probe_min_rows(unpacked) == RowProbe({}, 1)
+
+
+def test_apply_min_rows_sets_probes_once_and_refuses_bad_values(monkeypatch):
+    hf = tiny_hf_model("llama", num_layers=2)
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-apply"), packed=False)
+    apply_min_rows(lm, 4)
+    assert lm.min_rows == 4
+    calls = []
+
+    def fake_probe(model):
+        calls.append(model)
+        return RowProbe({1: 1.0, 3: 0.5}, 3)
+
+    monkeypatch.setattr("specflow.models.row_padding.probe_min_rows", fake_probe)
+    apply_min_rows(lm, None)
+    apply_min_rows(lm, None)
+    assert lm.min_rows == 3 and calls == [lm]  # probed once, then remembered
+    for bad in (0, -2, "four"):
+        with pytest.raises(ConfigError, match="min_rows"):
+            apply_min_rows(lm, bad)
+    with pytest.raises(ConfigError, match="another backend"):
+        apply_min_rows(hf, 4)
+    apply_min_rows(hf, 1)  # nothing to pad on another backend: accepted
+
+
+@needs_onednn
+@pytest.mark.parametrize("min_rows", [1, 5])
+def test_padded_decoding_equals_hf_greedy(min_rows):
+    """Plain decoding (1-row steps) and prompt lookup (short verification passes), padded to
+    5 rows or not: HF generate's greedy tokens."""
+    hf = tiny_hf_model("llama", num_layers=3, seed=4)
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, f"tiny-rows-{min_rows}"))
+    assert lm.packed
+    apply_min_rows(lm, min_rows)
+    prompts = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 3, 4, 5], [2]]
+    for drafter in (None, PLDDrafter(k=3)):
+        pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
+        for p in prompts:
+            assert generate(pipe, p, 20).tokens == hf_greedy(hf, p, 20)
