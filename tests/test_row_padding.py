@@ -10,7 +10,13 @@ from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.models.native import NativeLM, linear, pack
-from specflow.models.row_padding import RowProbe, apply_min_rows, choose_min_rows, probe_min_rows
+from specflow.models.row_padding import (
+    RowProbe,
+    apply_min_rows,
+    choose_min_rows,
+    probe_min_rows,
+    row_padding_info,
+)
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 from specflow.scheduler import generate
 from stages.full_verifier import FullVerifier
@@ -69,6 +75,8 @@ def test_apply_min_rows_sets_probes_once_and_refuses_bad_values(monkeypatch):
     apply_min_rows(lm, None)
     apply_min_rows(lm, None)
     assert lm.min_rows == 3 and calls == [lm]  # probed once, then remembered
+    assert row_padding_info(lm) == {"min_rows": 3, "probe_ms": {"1": 1000.0, "3": 500.0}}
+    assert row_padding_info(hf) == {"min_rows": 1}
     for bad in (0, -2, "four"):
         with pytest.raises(ConfigError, match="min_rows"):
             apply_min_rows(lm, bad)

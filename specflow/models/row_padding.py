@@ -70,11 +70,10 @@ def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers:
             x = torch.zeros(rows, h, dtype=lm.dtype, device=lm.device)
             t0 = time.perf_counter()
             for w in used:
-                y = linear(x, w.wqkv, w.bqkv)
+                linear(x, w.wqkv, w.bqkv)
                 linear(x, w.wo, w.bo)
-                gate_up = linear(x, w.w_gate_up, w.b_gate_up)
+                gate_up = linear(x, w.w_gate_up, w.b_gate_up)  # [rows, 2I]
                 linear(gate_up[:, : gate_up.shape[1] // 2], w.w_down, w.b_down)
-                del y
             if it > 0:
                 seconds[rows].append(time.perf_counter() - t0)
     medians = {r: statistics.median(ts) for r, ts in seconds.items()}
@@ -105,3 +104,15 @@ def apply_min_rows(lm: object, setting: int | None) -> None:
         log.info("%s: packed matmul ms by rows %s -> min_rows %d", lm.info.name,
                  {r: round(s * 1e3, 2) for r, s in probe.seconds.items()}, probe.chosen)
     lm.min_rows = probe.chosen
+
+
+def row_padding_info(lm: object) -> dict[str, object]:
+    """What a run's summary records of a model's row padding (``RunMeta.row_padding``):
+    ``min_rows`` and, when it was probed, the probe's milliseconds by row count."""
+    if not isinstance(lm, NativeLM):
+        return {"min_rows": 1}
+    probe = lm.row_probe
+    probed = ({str(r): round(t * 1e3, 3) for r, t in probe.seconds.items()}
+              if isinstance(probe, RowProbe) else None)
+    return {"min_rows": lm.min_rows, "probe_ms": probed}
+

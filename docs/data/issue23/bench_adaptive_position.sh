@@ -3,7 +3,8 @@
 # acceptance model (draft_length.acceptance=per_position, stages/draft_length.py) against the
 # geometric one and the head's fixed k = 1 and k = 2, on the six questions of
 # bench_adaptive_feature.sh (one held-out question per category), 128 new tokens, greedy,
-# fp32, one process, interleaved (scripts/bench_interleaved.py).  Nothing else may run on the
+# fp32, one process, interleaved (scripts/bench_interleaved.py); the models at their default
+# model.min_rows (null: padded to the probed row count).  Nothing else may run on the
 # CPU.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
