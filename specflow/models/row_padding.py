@@ -54,30 +54,39 @@ def choose_min_rows(seconds: Mapping[int, float], margin: float = MARGIN) -> int
 
 
 @torch.inference_mode()
-def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers: int = 4,
-                   repeats: int = 5) -> RowProbe:
-    """Time ``lm``'s own packed matmuls (the four matrices of its first ``layers`` layers,
-    one pass over them per measurement, row counts interleaved in alternating order) for each
-    row count; an unpacked model is never padded (``chosen`` 1, nothing timed)."""
-    if not lm.packed:
-        return RowProbe({}, 1)
-    used = lm.layers[: max(1, layers)]
-    h = lm.hidden_size
+def time_rows(layers: Sequence[Sequence[torch.Tensor]], candidates: Sequence[int] = CANDIDATES,
+              repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one pass over ``layers`` (each a list of packed ``[out, in]``
+    matrices, each multiplied by ``rows`` rows of its own input width) per row count; row
+    counts interleaved in alternating order, a first untimed round warming up."""
+    if not layers or not layers[0]:
+        raise ValueError("time_rows needs at least one layer of matrices")
+    dtype = layers[0][0].dtype
     seconds: dict[int, list[float]] = {r: [] for r in candidates}
     order = list(candidates)
-    for it in range(repeats + 1):  # the first round warms up, untimed
+    for it in range(repeats + 1):
         for rows in (order if it % 2 == 0 else order[::-1]):
-            x = torch.zeros(rows, h, dtype=lm.dtype, device=lm.device)
+            inputs = {w.shape[1]: torch.zeros(rows, w.shape[1], dtype=dtype)
+                      for layer in layers for w in layer}
             t0 = time.perf_counter()
-            for w in used:
-                linear(x, w.wqkv, w.bqkv)
-                linear(x, w.wo, w.bo)
-                gate_up = linear(x, w.w_gate_up, w.b_gate_up)  # [rows, 2I]
-                linear(gate_up[:, : gate_up.shape[1] // 2], w.w_down, w.b_down)
+            for layer in layers:
+                for w in layer:
+                    linear(inputs[w.shape[1]], w, None)
             if it > 0:
                 seconds[rows].append(time.perf_counter() - t0)
-    medians = {r: statistics.median(ts) for r, ts in seconds.items()}
-    return RowProbe(medians, choose_min_rows(medians))
+    return {r: statistics.median(ts) for r, ts in seconds.items()}
+
+
+def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers: int = 4,
+                   repeats: int = 5) -> RowProbe:
+    """Time ``lm``'s own packed matmuls (the four matrices of its first ``layers`` layers:
+    ``time_rows``) for each row count and choose (``choose_min_rows``); an unpacked model is
+    never padded (``chosen`` 1, nothing timed)."""
+    if not lm.packed:
+        return RowProbe({}, 1)
+    used = [[w.wqkv, w.wo, w.w_gate_up, w.w_down] for w in lm.layers[: max(1, layers)]]
+    seconds = time_rows(used, candidates, repeats)
+    return RowProbe(seconds, choose_min_rows(seconds))
 
 
 def apply_min_rows(lm: object, setting: int | None) -> None:
