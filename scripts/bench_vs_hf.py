@@ -208,14 +208,12 @@ def main() -> None:
         )
 
     padded_models = [m.lm for m in (target, drafter) if m is not None]
-    rows = 1
-    if args.min_rows is not None:
-        rows = args.min_rows
-        if rows == 0:
-            probe = probe_min_rows(target.lm)
-            rows = probe.chosen
-            print(f"row probe (ms by rows): "
-                  f"{ {r: round(t * 1e3, 2) for r, t in probe.seconds.items()} } -> {rows}")
+    padded_rows = args.min_rows  # the <method>_rows variants' row count (0: probe it)
+    if padded_rows == 0:
+        probe = probe_min_rows(target.lm)
+        padded_rows = probe.chosen
+        print(f"row probe (ms by rows): "
+              f"{ {r: round(t * 1e3, 2) for r, t in probe.seconds.items()} } -> {padded_rows}")
 
     def run_ours(pipe: SpeculativePipeline, min_rows: int = 1
                  ) -> Callable[[list[int]], tuple[list[int], float]]:
@@ -252,8 +250,8 @@ def main() -> None:
 
     last_stats: list = [None]  # the Generation of the latest ours call
     methods: dict[str, Callable] = {name: run_ours(p) for name, p in ours.items()}
-    if args.min_rows is not None:
-        methods.update({f"{name}_rows": run_ours(p, rows) for name, p in ours.items()})
+    if padded_rows is not None:
+        methods.update({f"{name}_rows": run_ours(p, padded_rows) for name, p in ours.items()})
     methods["hf_ar"] = run_hf()
     methods["hf_pld"] = run_hf(prompt_lookup_num_tokens=10)
     if hf_drafter is not None:
