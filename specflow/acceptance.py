@@ -12,6 +12,12 @@ Below, k is the number of tokens drafted this round (``len(draft.tokens)``).
   norm(max(0, p_i - q_i)) and stop; if all k are accepted emit the bonus token from p_k.
   A deterministic drafter (PLD, greedy draft model) has one-hot q.  The emitted sequence
   is distributed exactly as sampling from the target.
+- ``greedy_tree_accept``: for a tree draft (``Draft.parents``), walk from the root: at each
+  node take the target's argmax there and follow the child with that token, if any; the
+  kept path is the longest root-to-node path every token of which is the target's argmax,
+  which is what greedy decoding would commit (lossless).  Trees are greedy-only here
+  (multi-draft rejection sampling, SpecInfer's, is not implemented): a tree under sampling
+  is refused.
 """
 
 from __future__ import annotations
@@ -32,6 +38,25 @@ def greedy_accept(draft_tokens: list[int], target_logits: torch.Tensor) -> Accep
             break
         accepted += 1
     return Acceptance(accepted, choice[accepted])
+
+
+def greedy_tree_accept(
+    nodes: list[int], parents: list[int], target_logits: torch.Tensor
+) -> Acceptance:
+    """``target_logits [1 + len(nodes), V]`` (row 0: after the committed tokens, row i+1:
+    after the path to node i) -> the kept path and the target's next token."""
+    choice = target_logits.argmax(-1).tolist()  # [1 + nodes]
+    path: list[int] = []
+    row = 0
+    while True:
+        wanted = choice[row]
+        parent = row - 1
+        child = next((i for i, p in enumerate(parents) if p == parent and nodes[i] == wanted),
+                     None)
+        if child is None:
+            return Acceptance(len(path), wanted, path)
+        path.append(child)
+        row = child + 1
 
 
 def rejection_accept(
@@ -91,6 +116,7 @@ class StandardAcceptor:
     """
 
     lossless = True
+    accepts_trees = True  # greedy requests (module doc)
 
     def __init__(self, greedy_only: bool = False) -> None:
         self.greedy_only = greedy_only
@@ -107,6 +133,11 @@ class StandardAcceptor:
 
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
         """``target_logits [drafted+1, V]`` -> the accepted prefix and the next token."""
+        if draft.parents is not None:
+            if not state.sampling.greedy:
+                raise ValueError("a tree draft under sampling: tree drafters draft chains "
+                                 "for sampled requests (specflow.acceptance module doc)")
+            return greedy_tree_accept(draft.tokens, draft.parents, target_logits)
         if state.sampling.greedy:
             return greedy_accept(draft.tokens, target_logits)
         return rejection_accept(

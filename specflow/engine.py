@@ -23,7 +23,8 @@ this round asks for request i, ``d_i = len(draft_i.tokens) <= asked_i`` what it 
   3. logits = target_verifier.score(states, drafts)  # [d_i+1, V] each  time/verify_s
   4. verdict_i = acceptor.accept(state_i, draft_i, logits_i)            time/accept_s
      drafter.observe(drafting states, ...)       (a pool's bandit reward; in accept_s)
-  5. per request: draft_length.observe(...), stats, commit draft[:accepted] + [next_token].
+  5. per request: draft_length.observe(...), stats, commit draft[:accepted] + [next_token]
+     (a tree draft, ``Draft.parents``: the accepted path's tokens, ``Acceptance.path``).
 
 Stage times are read from the pipeline's ``clock``; the requests carry the same clock
 (``DecodeState.clock``) for what stages time themselves (a drafter's catch-up), so
@@ -220,6 +221,12 @@ class SpeculativePipeline:
             for i, draft in zip(drafting, proposed, strict=True):
                 drafts[i] = draft
         t1 = self.clock()
+        if any(d.parents is not None for d in drafts) and not self.acceptor.accepts_trees:
+            raise ConfigError(
+                f"{self.name}: the drafter proposed a token tree but this pipeline's acceptor "
+                f"({type(self.acceptor).__name__}) verifies chains only; draft chains "
+                f"(drafter.branches=1) or use acceptor=exact"
+            )
         logits = self.target_verifier.score(states, drafts)  # each [d_i+1, V]
         t2 = self.clock()
         verdicts = [
@@ -250,7 +257,7 @@ class SpeculativePipeline:
                     st, drafted, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
                 )
             st.stats.record_round(self.level, drafted, accepted)
-            new = draft.tokens[:accepted] + [verdict.next_token]
+            new = draft.accepted_tokens(verdict) + [verdict.next_token]
             st.tokens.extend(new)
             out.append((new, lg))
         return out

@@ -115,9 +115,12 @@ class IntermediateVerifier(TargetVerifier, Protocol):
 class Acceptor(Protocol):
     """Decides how much of a draft to keep, and the target's bonus / correction token.
 
-    Acceptance is per request (each sequence keeps its own prefix: ragged batches)."""
+    Acceptance is per request (each sequence keeps its own prefix: ragged batches).
+    ``accepts_trees``: it can walk a tree draft (``Draft.parents``) and return the kept path
+    (``Acceptance.path``); the engine refuses tree drafts for the others."""
 
     lossless: bool
+    accepts_trees: bool
 
     def check(self, greedy: bool) -> None:
         """Raise ``ConfigError`` when this acceptor cannot work with the sampling mode."""
@@ -128,8 +131,9 @@ class Acceptor(Protocol):
         when the pipeline is built."""
 
     def accept(self, state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance:
-        """``target_logits [d+1, V]`` (d: the tokens drafted) -> accepted prefix length and
-        next token."""
+        """``target_logits [d+1, V]`` (d: the tokens drafted; for a tree, row 0 follows the
+        committed tokens and row i+1 node i) -> accepted prefix length (or path) and next
+        token."""
 
 
 @dataclass

@@ -61,11 +61,25 @@ class Draft:
             committed since it last ran), read from ``DecodeState.clock`` like every stage
             time.  A cost of syncing, not of drafting: draft-length policies subtract it to
             measure the per-token drafting cost.
+        parents: ``None`` for a chain (token i continues token i-1); for a *tree* draft
+            (greedy only), node i's parent node (-1: it continues the last committed token),
+            ``parents[i] < i``: ``tokens`` are the nodes in topological order and
+            ``drafted`` counts them all.  The target verifies every node in one forward
+            (``ModelSession.set_tree``) and the acceptor keeps one root-to-node path
+            (``Acceptance.path``).
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     catchup_s: float = 0.0
+    parents: list[int] | None = None
+
+    def accepted_tokens(self, verdict: Acceptance) -> list[int]:
+        """The draft tokens ``verdict`` keeps, in order (a chain's prefix, or a tree's
+        path)."""
+        if verdict.path is None:
+            return self.tokens[: verdict.num_accepted]
+        return [self.tokens[i] for i in verdict.path]
 
 
 @dataclass
@@ -73,12 +87,16 @@ class Acceptance:
     """An acceptor's verdict on one round.
 
     Attributes:
-        num_accepted: how many leading draft tokens are kept (0..drafted).
+        num_accepted: how many leading draft tokens are kept (0..drafted; for a tree, the
+            length of the kept path).
         next_token: the bonus / correction token the target contributes.
+        path: for a tree draft, the kept nodes root-level first (``len(path) ==
+            num_accepted``); ``None`` for a chain.
     """
 
     num_accepted: int
     next_token: int
+    path: list[int] | None = None
 
 
 @dataclass

@@ -12,6 +12,16 @@ forward over every request's new committed positions (the target's features, usu
 ``accepted + 1`` positions of the last round) and yields each first draft token; each further
 step is one batched forward of one row per request still drafting.  The head's cache is
 then cut back to the positions computed from the target's features.
+
+With ``branches = m > 1`` a greedy request drafts a *tree* instead of a chain: the head's
+top-m tokens at the first step, then a top-1 chain under each of them, to depth ``asked``
+(``m * asked`` nodes, ``Draft.parents``), verified by the target in one forward with a tree
+mask (``ModelSession.set_tree``).  Each further step runs the m branches as m rows of the
+head's own cache laid out as a tree (``specflow.kv.tree``: a branch attends to the target's
+features and to its own earlier rows), so a tree of depth d costs d head steps like a chain
+of d, with m rows each.  Sampled requests draft chains (trees are greedy-only,
+``specflow.acceptance``), and so does a request too close to its context limit for the
+tree; ``min_confidence`` stops chains only.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import torch
 from specflow.errors import ConfigError, ModelNotFoundError
 from specflow.kv.base import ModelInfo
 from specflow.kv.contiguous import KVCache
-from specflow.kv.session import common_prefix_length
+from specflow.kv.tree import TreeLayout
 from specflow.models.feature_head import (
     FeatureDraftModel,
     default_feature_head_path,
@@ -45,16 +55,22 @@ class FeatureDrafter:
             the target verifier's session of it).
         head: a feature-head file, or ``default`` for
             ``<cache>/heads/<model>/feature_head.safetensors``.
-        k: the most tokens drafted per round (``Drafter.k``, config ``drafter.k``).
+        k: the most tokens drafted per round (``Drafter.k``, config ``drafter.k``); with
+            ``branches > 1``, the tree's depth.
         min_confidence: stop drafting once the head's top probability drops below this.
+        branches: 1 drafts a chain; m > 1 drafts (greedy requests) a tree of m branches of
+            depth up to k (module doc).
     """
 
     name = "feature"
 
     def __init__(self, model: Any, head: str = "default", k: int = 4,
-                 min_confidence: float = 0.0) -> None:
+                 min_confidence: float = 0.0, branches: int = 1) -> None:
         if k < 1:
             raise ConfigError(f"drafter.k must be >= 1, got {k}")
+        if branches < 1:
+            raise ConfigError(f"drafter.branches must be >= 1 (1: a chain), got {branches}")
+        self.branches = branches
         if not 0.0 <= min_confidence < 1.0:
             raise ConfigError(f"drafter.min_confidence must be in [0, 1), got {min_confidence}")
         self.lm = as_layered_lm(model)
@@ -114,8 +130,9 @@ class FeatureDrafter:
             st, kv = states[i], caches[i]
             sess = st.session(self.lm)
             start, end = kv.length, len(st.tokens) - 1
-            if common_prefix_length(sess.tokens, st.tokens) < end:
-                raise RuntimeError("the target's session does not hold the committed tokens")
+            # Sync to the committed tokens: drops a rejected chain, keeps a verified tree's
+            # accepted path in place (its features are read below).
+            sess.set_tokens(st.tokens)
             feats.append(sess.final_features(start, end))
             ids += st.tokens[start + 1 : end + 1]
             batch.append((kv, end - start))
@@ -129,39 +146,71 @@ class FeatureDrafter:
         predicted = out[ends]  # [A, H]: f^_{n-1} per request
         tokens: dict[int, list[int]] = {i: [] for i in todo}
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in todo}
+        # Per tree request: every node's parent (-1: the last committed token).
+        parents: dict[int, list[int]] = {
+            i: [] for i in todo if self._width(states[i], asked[i]) > 1
+        }
+        rows_of = dict.fromkeys(todo, 1)  # rows of `predicted` per active request
         active = list(todo)
         step = 0
         while active:
-            logits = dm.logits(predicted).cpu()  # [A, S]
-            still, still_rows, next_ids = [], [], []
-            for j, i in enumerate(active):
-                st = states[i]
-                row = logits[j : j + 1]
-                picked, probs = choose(row, st.sampling, st.generator)
-                tok = int(dm.ids[picked[0]])
-                tokens[i].append(tok)
-                if probs is not None:
-                    q_rows[i].append(dm.to_vocab(probs))
-                confident = (self.min_confidence <= 0.0
-                             or float(row.softmax(-1).max()) >= self.min_confidence)
-                if confident and asked[i] > step + 1:
+            logits = dm.logits(predicted).cpu()  # [R, S]
+            still, sources, next_ids, added = [], [], [], []
+            row = 0
+            for i in active:
+                st, r = states[i], rows_of[i]
+                block = logits[row : row + r]  # [r, S]
+                if i in parents:  # a tree: top-m at the first step, then top-1 per branch
+                    m = self._width(st, asked[i])
+                    picked = block[0].topk(m).indices if step == 0 else block.argmax(-1)
+                    new = [int(t) for t in dm.ids[picked].tolist()]
+                    first = len(tokens[i]) - r  # the previous level's first node
+                    parents[i] += [-1] * m if step == 0 else list(range(first, first + m))
+                    src = [row] * m if step == 0 else list(range(row, row + m))
+                    go_on = asked[i] > step + 1
+                else:
+                    picked, probs = choose(block, st.sampling, st.generator)
+                    new, src = [int(dm.ids[picked[0]])], [row]
+                    if probs is not None:
+                        q_rows[i].append(dm.to_vocab(probs))
+                    confident = (self.min_confidence <= 0.0
+                                 or float(block.softmax(-1).max()) >= self.min_confidence)
+                    go_on = confident and asked[i] > step + 1
+                tokens[i] += new
+                if go_on:
                     still.append(i)
-                    still_rows.append(j)
-                    next_ids.append(tok)
+                    sources += src
+                    next_ids += new
+                    added.append(len(new))
+                row += r
             step += 1
             if not still:
                 break
-            predicted = dm.step(predicted[still_rows], torch.tensor(next_ids, dtype=torch.long),
-                                [(caches[i], 1) for i in still])
+            for i in still:
+                if i in parents:  # the head's rows of this step continue their branches
+                    caches[i].tree = TreeLayout(len(states[i].tokens) - 1, tuple(parents[i]))
+            predicted = dm.step(predicted[sources], torch.tensor(next_ids, dtype=torch.long),
+                                [(caches[i], t) for i, t in zip(still, added, strict=True)])
+            rows_of.update(zip(still, added, strict=True))
             active = still
         for pos, i in enumerate(todo):
             st = states[i]
             committed = len(st.tokens) - 1
+            caches[i].tree = None
             caches[i].truncate(committed)  # only rows of target features stay
             st.session(self.lm).retain_final_from(committed)
             probs = torch.cat(q_rows[i]) if q_rows[i] else None
-            drafts[i] = Draft(tokens[i], probs, catchup_s=step0_s if catchup[pos] else 0.0)
+            drafts[i] = Draft(tokens[i], probs, catchup_s=step0_s if catchup[pos] else 0.0,
+                              parents=parents.get(i))
         return drafts
+
+    def _width(self, state: DecodeState, asked: int) -> int:
+        """The branches a request drafts this round: ``branches`` for a greedy request whose
+        context holds the tree's ``branches * asked`` nodes, else 1 (a chain)."""
+        if (self.branches > 1 and state.sampling.greedy
+                and len(state.tokens) + self.branches * asked <= state.max_len):
+            return self.branches
+        return 1
 
     def observe(
         self,

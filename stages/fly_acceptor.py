@@ -150,6 +150,7 @@ class FlyAcceptor:
     """
 
     lossless = False
+    accepts_trees = False  # FLy's window reads a chain
 
     def __init__(
         self,

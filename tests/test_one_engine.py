@@ -138,6 +138,11 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
         return pipe(PoolDrafter(arms, selector))
     if method == "feature":
         return pipe(FeatureDrafter(lm, head=feature_head, k=3))
+    if method == "feature_tree":  # greedy requests draft 3 branches of depth 2
+        return pipe(FeatureDrafter(lm, head=feature_head, k=2, branches=3))
+    if method == "pld_then_feature_tree":
+        return pipe(FallbackDrafter(PLDDrafter(k=5, min_ngram=2),
+                                    FeatureDrafter(lm, head=feature_head, k=2, branches=2)))
     if method == "pld_then_feature":  # prompt lookup, the feature head where it finds nothing
         return pipe(FallbackDrafter(PLDDrafter(k=5, min_ngram=2),
                                     FeatureDrafter(lm, head=feature_head, k=2)))
@@ -167,6 +172,8 @@ METHODS = [
     "feature_adaptive",
     "pld_then_feature",
     "metasd_eagle",
+    "feature_tree",
+    "pld_then_feature_tree",
 ]
 
 
@@ -199,6 +206,24 @@ def test_every_pipeline_equals_hf_greedy(method, batch_size, kind, target, draft
         assert len({a for g in gens for a in g.stats.arms}) > 1  # several arms drafted
 
 
+def test_a_tree_keeps_paths_through_other_branches(target, feature_head):
+    """The tree of 3 branches finds accepted tokens the chain misses (its other branches),
+    and both give HF's greedy tokens."""
+    hf, lm = target
+    accepted = {}
+    for branches in (1, 3):
+        pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
+                                   drafter=FeatureDrafter(lm, head=feature_head, k=2,
+                                                          branches=branches))
+        gens, _ = decode(pipe, 3, "paged", PROMPTS, MAX_NEW)
+        assert [g.tokens for g in gens] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+        accepted[branches] = sum(sum(g.stats.accepted_per_round) for g in gens)
+        drafted = sum(g.stats.drafted for g in gens)
+        rounds = sum(len(g.stats.accepted_per_round) for g in gens)
+        assert drafted > rounds * branches  # trees of 3 x 2 nodes where the budget allows
+    assert accepted[3] > accepted[1]
+
+
 def test_ragged_acceptance_within_a_batch(target, drafter):
     """Sequences of one batch keep different prefixes in the same round."""
     hf, lm = target
@@ -227,7 +252,7 @@ def test_min_confidence_stops_drafts_at_every_batch_size(target, drafter):
 # ---------------------------------------------------------------- sampling
 
 
-@pytest.mark.parametrize("which", ["model", "feature"])
+@pytest.mark.parametrize("which", ["model", "feature", "feature_tree"])
 def test_sampling_follows_the_target_law_at_batch_three(which, target, drafter, feature_head):
     """Two sampled tokens, batch 3 (paged), rejection sampling with a draft model or a
     feature head: the joint law of the output is the target's (chi-square), and each
@@ -235,7 +260,8 @@ def test_sampling_follows_the_target_law_at_batch_three(which, target, drafter, 
     _, lm = target
     sampling = SamplingParams(temperature=1.0, top_k=3)
     draft = (ModelDrafter(drafter[1], k=2) if which == "model"
-             else FeatureDrafter(lm, head=feature_head, k=2))
+             else FeatureDrafter(lm, head=feature_head, k=2,
+                                 branches=3 if which == "feature_tree" else 1))
     pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
     prompt = [1, 5, 9]
     law = two_token_law(lm, prompt, sampling)

@@ -19,7 +19,8 @@ its keys/values by a ``KVSpec`` (layers, KV heads, head dim, dtype, device) and 
 ``specflow.kv`` build the buffers from it; a model that keeps its own cache (the generic
 transformers backend) says so with ``SelfManagedKV``.
 
-This module imports nothing else of ``specflow.kv`` and nothing of ``specflow.models``:
+This module imports nothing else of ``specflow.kv`` but the leaf ``specflow.kv.tree``, and
+nothing of ``specflow.models``:
 ``models/`` implements these protocols, ``kv/`` builds on them, neither imports the other.
 """
 
@@ -32,6 +33,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from specflow.errors import ConfigError
+from specflow.kv.tree import TreeLayout
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,15 @@ class AttendedKV(LayerKV, Protocol):
 
     @property
     def attention(self) -> AttentionBackend[Any]: ...
+
+    # The token tree the positions from ``tree.start`` on form (``specflow.kv.tree``), or
+    # None: the backends lay out and mask a forward's rows by it.
+    tree: TreeLayout | None
+
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """Of the positions from ``start`` on keep ``rows`` (increasing offsets): position
+        ``start + rows[j]`` moves to ``start + j`` and the length becomes
+        ``start + len(rows)`` (a verified tree's accepted path)."""
 
 
 # A ragged batch for one layer: (that sequence's LayerKV, its number of new positions t_i).

@@ -19,6 +19,7 @@ import torch
 
 from specflow.errors import PromptTooLongError
 from specflow.kv.base import KVSpec, LayeredLM, LayerKV, SelfManagedKV
+from specflow.kv.tree import TreeLayout
 
 
 def layer_caches(lm: LayeredLM, max_len: int, seq_id: int = 0) -> list[LayerKV]:
@@ -34,7 +35,8 @@ class KVCache:
 
     ``k``, ``v``: ``[kv_heads, max_len, head_dim]``; RoPE is already applied to ``k``.
     ``truncate`` only lowers ``length``; stale rows beyond it are overwritten on the next write.
-    An ``AttendedKV`` whose backend is ``CONTIGUOUS``.
+    An ``AttendedKV`` whose backend is ``CONTIGUOUS``; ``tree`` (set by its owner) makes the
+    rows from ``tree.start`` on a token tree (``specflow.kv.tree``).
     """
 
     def __init__(self, spec: KVSpec, max_len: int, layer: int = 0, seq_id: int = 0) -> None:
@@ -46,12 +48,33 @@ class KVCache:
         self.layer = layer
         self.seq_id = seq_id
         self.attention = CONTIGUOUS
+        self.tree: TreeLayout | None = None
 
     def truncate(self, n: int) -> None:
         """Forget positions ``>= n`` (no-op when ``n >= length``)."""
         if n < 0:
             raise ValueError(f"cannot truncate a KV cache to {n} positions")
         self.length = min(self.length, n)
+
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """Keep, of the positions from ``start`` on, rows ``rows`` (increasing offsets):
+        position ``start + rows[j]`` moves to ``start + j``; the length becomes
+        ``start + len(rows)`` (a tree's accepted path, see ``specflow.kv.tree``)."""
+        keep_rows_check(self.length, start, rows)
+        src = torch.tensor(rows, device=self.k.device) + start
+        end = start + len(rows)
+        self.k[:, start:end] = self.k[:, src]  # advanced indexing copies first
+        self.v[:, start:end] = self.v[:, src]
+        self.length = end
+
+
+def keep_rows_check(length: int, start: int, rows: list[int]) -> None:
+    """``ValueError`` unless ``rows`` are increasing offsets of held positions from
+    ``start``."""
+    if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or (
+        rows and (rows[0] < 0 or start + rows[-1] >= length)
+    ):
+        raise ValueError(f"cannot keep rows {rows} from position {start} of {length}")
 
 
 class ContiguousAttention:
@@ -65,14 +88,17 @@ class ContiguousAttention:
     name = "contiguous"
 
     def positions(self, batch: list[tuple[KVCache, int]], memo: dict) -> slice | torch.Tensor:
-        if len(batch) == 1:
+        trees = tuple(kv.tree if _in_tree(kv, t) else None for kv, t in batch)
+        if len(batch) == 1 and trees[0] is None:
             kv, t = batch[0]
             return slice(kv.length, kv.length + t)
-        key = ("positions", tuple((kv.length, t) for kv, t in batch))
+        key = ("positions", tuple((kv.length, t) for kv, t in batch), trees)
         hit = memo.get(key)
         if hit is None:
             device = batch[0][0].k.device
-            hit = torch.cat([torch.arange(kv.length, kv.length + t) for kv, t in batch])
+            hit = torch.tensor([p for (kv, t), tree in zip(batch, trees, strict=True)
+                                for p in (range(kv.length, kv.length + t) if tree is None
+                                          else tree.positions(kv.length, t))])
             hit = memo[key] = hit.to(device)
         return hit
 
@@ -102,6 +128,7 @@ class ContiguousAttention:
         t, nh, d = q.shape
         kh = k.shape[1]
         s = cache.length
+        tree = cache.tree if _in_tree(cache, t) else None
         e = s + t
         if e > cache.max_len:
             raise PromptTooLongError(
@@ -112,10 +139,11 @@ class ContiguousAttention:
         cache.length = e
         qf = q.transpose(0, 1).reshape(kh, (nh // kh) * t, d)  # [KH, r*T, D]
         keys_t = cache.k[:, :e].transpose(1, 2)  # [KH, D, e]
-        if t == 1:
+        if t == 1 and tree is None:
             scores = torch.bmm(qf, keys_t).mul_(scale)  # [KH, r, e]
         else:
-            mask = causal_mask(s, t, nh // kh, q.dtype, q.device, memo)
+            mask = (causal_mask(s, t, nh // kh, q.dtype, q.device, memo) if tree is None
+                    else tree_mask(tree, s, t, nh // kh, q.dtype, q.device, memo))
             scores = torch.baddbmm(mask, qf, keys_t, alpha=scale)  # [KH, r*T, e]
         probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, cache.v[:, :e]).view(nh, t, d).transpose(0, 1)  # [T, NH, D]
@@ -138,6 +166,27 @@ def causal_mask(
         mask.masked_fill_(keys[None, :] > queries[:, None], float("-inf"))
         mask = memo[key] = mask.repeat(r, 1)  # [r*t, start+t]
     return mask
+
+
+def tree_mask(
+    tree: TreeLayout, start: int, t: int, r: int, dtype: torch.dtype, device: torch.device,
+    memo: dict,
+) -> torch.Tensor:
+    """``causal_mask`` for a block whose rows from ``tree.start`` on form a token tree:
+    0 where ``tree.visible`` allows, -inf elsewhere (``[r*t, start+t]``, memoised)."""
+    key = ("tree_mask", tree, start, t, r)
+    mask = memo.get(key)
+    if mask is None:
+        vis = tree.visible(start, t, device)  # [t, start+t]
+        mask = torch.zeros(t, start + t, dtype=dtype, device=device)
+        mask.masked_fill_(~vis, float("-inf"))
+        mask = memo[key] = mask.repeat(r, 1)  # [r*t, start+t]
+    return mask
+
+
+def _in_tree(kv: KVCache, t: int) -> bool:
+    """Whether the block of ``t`` new rows of ``kv`` has rows in its token tree."""
+    return kv.tree is not None and kv.tree.covers(kv.length, t)
 
 
 CONTIGUOUS = ContiguousAttention()

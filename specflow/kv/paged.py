@@ -34,7 +34,16 @@ import torch
 
 from specflow.errors import ConfigError, PromptTooLongError, SpecflowError
 from specflow.kv.base import KVSpec, LayeredLM, SelfManagedKV
-from specflow.kv.kernels import FLASH_BLOCK_MULTIPLE, AttnBatch, causal_prefill, select_backend
+from specflow.kv.contiguous import keep_rows_check
+from specflow.kv.kernels import (
+    FLASH_BLOCK_MULTIPLE,
+    AttnBatch,
+    causal_mask,
+    causal_prefill,
+    paged_sdpa,
+    select_backend,
+)
+from specflow.kv.tree import TreeLayout
 
 
 class CacheFullError(SpecflowError):
@@ -242,13 +251,16 @@ class PagedKVCache:
 
 
 class PagedLayerKV:
-    """The ``AttendedKV`` of one (sequence, layer) of a ``PagedKVCache``."""
+    """The ``AttendedKV`` of one (sequence, layer) of a ``PagedKVCache``; ``tree`` (set by
+    its owner) makes the positions from ``tree.start`` on a token tree
+    (``specflow.kv.tree``)."""
 
     def __init__(self, cache: PagedKVCache, seq_id: int, layer: int) -> None:
         self.cache = cache
         self.seq_id = seq_id
         self.layer = layer
         self.attention = cache.attention
+        self.tree: TreeLayout | None = None
 
     @property
     def length(self) -> int:
@@ -261,6 +273,21 @@ class PagedLayerKV:
     def truncate(self, n: int) -> None:
         """Forget positions ``>= n`` (no-op when ``n >= length``); frees whole blocks."""
         self.cache.truncate(self.seq_id, self.layer, n)
+
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """``KVCache.keep_rows``: position ``start + rows[j]`` moves to ``start + j`` in this
+        layer's pool; the length becomes ``start + len(rows)``."""
+        keep_rows_check(self.length, start, rows)
+        cache, end = self.cache, start + len(rows)
+        src = torch.tensor(cache.slots(self.seq_id, start, self.length), dtype=torch.long)
+        src = src[torch.tensor(rows, dtype=torch.long)].to(cache.k.device)
+        dst = torch.tensor(cache.slots(self.seq_id, start, end), dtype=torch.long,
+                           device=cache.k.device)
+        for pool in (cache.k[self.layer], cache.v[self.layer]):  # [NB, BS, KH, D]
+            flat = pool.view(-1, *pool.shape[2:])
+            flat[dst] = flat[src]  # advanced indexing copies first
+        cache.set_length(self.seq_id, self.layer, end)
+        cache.truncate(self.seq_id, self.layer, end)  # frees blocks no layer needs
 
 
 class PagedAttention:
@@ -291,21 +318,22 @@ class PagedAttention:
         self, batch: list[tuple[PagedLayerKV, int]], memo: dict
     ) -> tuple[torch.Tensor, torch.Tensor, AttnBatch]:
         """``(positions [N], slots [N], AttnBatch)`` of the batch's new positions."""
-        key = ("paged", tuple((kv.seq_id, kv.length, t) for kv, t in batch))
+        trees = _trees(batch)
+        key = ("paged", tuple((kv.seq_id, kv.length, t) for kv, t in batch), trees)
         hit = memo.get(key)
         if hit is not None:
             return hit
         cache = self.cache
         positions: list[int] = []
         slots: list[int] = []
-        for kv, t in batch:
+        for (kv, t), tree in zip(batch, trees, strict=True):
             s = kv.length
             if s + t > kv.max_len:
                 raise PromptTooLongError(
                     f"position {s + t} is beyond this sequence's {kv.max_len} positions"
                 )
             cache.reserve(kv.seq_id, s + t)
-            positions.extend(range(s, s + t))
+            positions.extend(range(s, s + t) if tree is None else tree.positions(s, t))
             slots.extend(cache.slots(kv.seq_id, s, s + t))
         table = cache.block_table([kv.seq_id for kv, _ in batch], self.device)
         attn = AttnBatch.build(
@@ -335,7 +363,8 @@ class PagedAttention:
         A fresh prefill (no sequence has cached keys) attends to the new rows directly with
         ``causal_prefill``; anything else reads the pool with the selected kernel.
         """
-        fresh = all(kv.length == 0 for kv, _ in batch)
+        trees = _trees(batch)
+        fresh = all(kv.length == 0 for kv, _ in batch) and not any(trees)
         _, slots, attn = self._meta(batch, memo)
         layer = batch[0][0].layer
         kh, d = k.shape[1], k.shape[2]
@@ -347,8 +376,41 @@ class PagedAttention:
         if fresh:
             self.used.add("sdpa_causal_prefill")
             return causal_prefill(q, k, v, [t for _, t in batch], scale)
+        if any(trees):  # a token tree: SDPA with the tree's mask (no flash kernel takes one)
+            self.used.add("sdpa_paged_tree")
+            visible = tree_visible(batch, trees, attn, memo)
+            return attn.unpad(paged_sdpa(attn.pad(q), k_pool, v_pool, attn.block_table,
+                                         visible, scale))
         self.used.add(f"{self.name}_paged")
         return self.kernel(q, k_pool, v_pool, attn, scale)
+
+
+def _trees(batch: list[tuple[PagedLayerKV, int]]) -> tuple[TreeLayout | None, ...]:
+    """Per sequence, its token tree when the block of new rows has rows in it."""
+    return tuple(kv.tree if kv.tree is not None and kv.tree.covers(kv.length, t) else None
+                 for kv, t in batch)
+
+
+def tree_visible(
+    batch: list[tuple[PagedLayerKV, int]], trees: tuple[TreeLayout | None, ...],
+    attn: AttnBatch, memo: dict,
+) -> torch.Tensor:
+    """``[B, t_max, max_kv]`` bool: the lower-right causal mask of ``kernels.causal_mask``
+    with each tree sequence's rows replaced by its tree's visibility (``TreeLayout.visible``;
+    the lengths are read before this layer's write, as ``_meta`` read them)."""
+    key = ("paged_tree_mask", id(attn))
+    hit = memo.get(key)
+    if hit is not None:
+        return hit
+    visible = causal_mask(attn).clone()  # [B, T, L]
+    for b, ((_, t), tree) in enumerate(zip(batch, trees, strict=True)):
+        if tree is not None:
+            s = int(attn.kv_lens[b]) - t
+            rows = tree.visible(s, t, visible.device)  # [t, s+t]
+            visible[b, attn.t_max - t :, : s + t] = rows
+            visible[b, attn.t_max - t :, s + t :] = False
+    memo[key] = visible
+    return visible
 
 
 def paged_pool(lm: LayeredLM, num_blocks: int, block_size: int, attention: str) -> PagedKVCache:

@@ -25,6 +25,13 @@ at exit ``L`` is then the adapter's output ``a`` (which ``head`` maps to logits)
 adapter never runs in a pass that does not ask its exit, and catches up on positions a deeper
 pass consumed (the prefill, a verification, rounds another drafter drafted).
 
+A *token tree* (``set_tree``, a tree draft's verification) is laid out after the committed
+tokens in topological order, every node attending to its ancestors only
+(``specflow.kv.tree``); the session's sequence is then the tree's rows.  The next
+``set_tokens`` finds the path of nodes that spells the new tokens, moves that path's keys/
+values and ``h_N`` rows into place (``AttendedKV.keep_rows``) and drops the other nodes, so
+the accepted tokens are never computed again.
+
 A session does not care where its keys/values live: its per-layer ``LayerKV``s come from a
 KV store (``specflow.kv.stores``): contiguous buffers of its own, or a sequence of a paged
 pool shared with other requests (whose full forwards may take the static path, a
@@ -40,9 +47,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specflow.errors import PromptTooLongError
-from specflow.kv.base import ExitAdapter, LayeredLM, LayerKV, StaticPath
+from specflow.errors import ConfigError, PromptTooLongError
+from specflow.kv.base import AttendedKV, ExitAdapter, LayeredLM, LayerKV, SelfManagedKV, StaticPath
 from specflow.kv.contiguous import KVCache, layer_caches
+from specflow.kv.tree import TreeLayout, path_rows
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -179,6 +187,9 @@ class ModelSession:
         self.final_floor: int | None = None
         # Exit L -> the adapter this request feeds there (``read_exit``).
         self.adapters: dict[int, AdapterFeed] = {}
+        # The token tree laid out after the committed tokens (``set_tree``), until the next
+        # ``set_tokens`` keeps its accepted path.
+        self.tree: TreeLayout | None = None
         self.layer_evals = 0  # sum over layers of positions processed (for reuse tests/metrics)
 
     def release(self) -> None:
@@ -203,6 +214,8 @@ class ModelSession:
                 f"sequence of {len(tokens)} tokens exceeds this request's context of "
                 f"{self.max_len}; lower max_new_tokens or the draft length"
             )
+        if self.tree is not None:
+            self._keep_tree_path(tokens)
         keep = common_prefix_length(self.tokens, tokens)
         self.truncate(keep)
         self.tokens = list(tokens)
@@ -218,8 +231,76 @@ class ModelSession:
         for feed in self.adapters.values():
             feed.trim(len(tokens) - 1)
 
+    def set_tree(self, committed: list[int], nodes: list[int], parents: list[int]) -> None:
+        """Make the sequence ``committed`` followed by a token tree to verify in one forward:
+        node ``i`` (token ``nodes[i]``) continues node ``parents[i]`` (-1: the last committed
+        token; ``parents[i] < i``).  The tree's rows are the last committed token (row 0,
+        the root) and the nodes (row ``i + 1``), from position ``len(committed) - 1`` on;
+        ask for logits of ``[len(committed) - 1, len(committed) + len(nodes))`` at the last
+        exit (row ``r``'s logits: the distribution after the path to row ``r``).  The next
+        ``set_tokens`` keeps the path its tokens spell (module doc)."""
+        if isinstance(self.model.kv, SelfManagedKV) or self.adapters:
+            raise ConfigError(
+                f"{self.model.info.name}: tree drafts need the native backend without an "
+                "attention adapter on the verified model; use a chain (drafter.branches=1)"
+            )
+        if len(committed) + len(nodes) > self.max_len:
+            raise PromptTooLongError(
+                f"a tree of {len(nodes)} nodes after {len(committed)} tokens exceeds this "
+                f"request's context of {self.max_len}"
+            )
+        self.set_tokens(committed)
+        root = len(committed) - 1
+        if any(self.computed(layer) > root for layer in range(self.num_layers)):
+            raise RuntimeError(f"set_tree: position {root} (the root) is already computed")
+        self.tree = TreeLayout(root, (-1, *(p + 1 for p in parents)))
+        for cache in self._attended():
+            cache.tree = self.tree
+        self.tokens = list(committed) + list(nodes)
+
+    def _attended(self) -> list[AttendedKV]:
+        """The layer caches as the attention backends see them (native models only)."""
+        return [c for c in self.caches if isinstance(c, AttendedKV)]
+
+    def _keep_tree_path(self, tokens: list[int]) -> None:
+        """Resolve the pending tree against the new sequence ``tokens``: keep the rows of
+        the root and of the path of nodes spelling ``tokens`` after it, in order, and forget
+        the other nodes; the tree is gone after."""
+        tree, self.tree = self.tree, None
+        assert tree is not None
+        for cache in self._attended():
+            cache.tree = None
+        root = tree.start
+        if common_prefix_length(self.tokens[: root + 1], tokens) <= root:
+            self.truncate(root)  # the committed tokens changed under the tree
+            return
+        nodes = self.tokens[root + 1 :]
+        parents = [p - 1 for p in tree.parents[1:]]
+        path = path_rows(parents, nodes, tokens[root + 1 :])
+        rows = [0, *(i + 1 for i in path)]
+        for layer in range(self.num_layers):
+            done = self.computed(layer)
+            if done == tree.end:
+                self.caches[layer].keep_rows(root, rows)  # type: ignore[attr-defined]
+            elif done > root:
+                raise RuntimeError(f"layer {layer} computed part of a tree ({done} of "
+                                   f"[{root}, {tree.end}))")
+        if self.final_hidden is not None:
+            have = self.final_start + self.final_hidden.shape[0]
+            if self.final_start <= root and have == tree.end:
+                at = torch.tensor(rows, device=self.final_hidden.device) + root - self.final_start
+                self.final_hidden = torch.cat([self.final_hidden[: root - self.final_start],
+                                               self.final_hidden[at]])
+            elif have > root:
+                self.final_hidden = self.final_hidden[: max(0, root - self.final_start)]
+                if self.final_hidden.shape[0] == 0:
+                    self.final_hidden = None
+        self.tokens = self.tokens[: root + 1] + [nodes[i] for i in path]
+
     def extend(self, new_tokens: list[int]) -> None:
         """Append tokens (no computation happens until logits are asked for)."""
+        if self.tree is not None:
+            raise RuntimeError("extend() with a pending token tree: use set_tokens")
         if len(self.tokens) + len(new_tokens) > self.max_len:
             raise PromptTooLongError(
                 f"sequence of {len(self.tokens) + len(new_tokens)} tokens exceeds this "
@@ -229,6 +310,12 @@ class ModelSession:
 
     def truncate(self, n: int) -> None:
         """Drop every position ``>= n`` from the sequence, every layer cache and kept state."""
+        if self.tree is not None:
+            if n > self.tree.start:
+                raise RuntimeError("truncate() inside a pending token tree: use set_tokens")
+            self.tree = None
+            for cache in self._attended():
+                cache.tree = None
         if n < len(self.tokens):
             del self.tokens[n:]
         old = [self.computed(layer) for layer in range(self.num_layers)]
@@ -482,10 +569,11 @@ def _static_forward(static: StaticPath, queries: list[Query]) -> list[torch.Tens
     """Logits per query from the static path, or ``None`` (run eagerly).  Only a full forward
     fits it: every query asks the last exit for positions ``[start, end)`` with every layer
     at ``start`` (no partial layers pending), and no session feeds an adapter (it keeps
-    ``h_L`` between layers, which the static path never hands out)."""
+    ``h_L`` between layers, which the static path never hands out), and no session lays
+    out a token tree (the static path's rows are chains)."""
     for sess, exit_layer, start, _ in queries:
         depth = sess.num_layers
-        if (exit_layer != depth or sess.adapters
+        if (exit_layer != depth or sess.adapters or sess.tree is not None
                 or any(sess.computed(layer) != start for layer in range(depth))):
             static.note_eager()
             return None
