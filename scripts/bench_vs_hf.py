@@ -108,6 +108,11 @@ def main() -> None:
         "nothing: conf/drafter/pld_then_feature.yaml)",
     )
     ap.add_argument("--feature-k", type=int, default=4)
+    ap.add_argument(
+        "--feature-tree", type=int, nargs=2, default=None, metavar=("BRANCHES", "DEPTH"),
+        help="with --feature-head: adds ours_feature_tree and ours_eagle_pld_tree, the head "
+        "drafting a tree of BRANCHES x DEPTH (drafter.branches, drafter.k)",
+    )
     ap.add_argument("--feature-ks", type=int, nargs="*", default=[])
     ap.add_argument(
         "--min-rows", type=int, default=None,
@@ -206,6 +211,19 @@ def main() -> None:
                 fallback_pld(), feature(args.feature_k)
             )
         )
+        if args.feature_tree:
+            branches, depth = args.feature_tree
+
+            def tree() -> FeatureDrafter:
+                return FeatureDrafter(target.lm, head=args.feature_head, k=depth,
+                                      branches=branches)
+
+            ours["ours_feature_tree"] = SpeculativePipeline(
+                verifier, StandardAcceptor(), drafter=tree()
+            )
+            ours["ours_eagle_pld_tree"] = SpeculativePipeline(
+                verifier, StandardAcceptor(), drafter=FallbackDrafter(fallback_pld(), tree())
+            )
 
     padded_models = [m.lm for m in (target, drafter) if m is not None]
     padded_rows = args.min_rows  # the <method>_rows variants' row count (0: probe it)
@@ -394,6 +412,8 @@ def main() -> None:
         ("ours_feature_adaptive", "hf_pld"),
         ("ours_eagle_pld", "hf_sps"),
         ("ours_eagle_pld", "hf_pld"),
+        ("ours_eagle_pld_tree", "hf_pld"),
+        ("ours_eagle_pld_tree_rows", "hf_pld"),
     ]
     print()
     for a, b in pairs:

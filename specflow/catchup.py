@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specflow.kv.base import LayeredLM
-from specflow.kv.session import common_prefix_length, forward_hidden
+from specflow.kv.session import forward_hidden
 from specflow.state import DecodeState
 
 
@@ -48,9 +48,7 @@ def positions_behind(state: DecodeState, lm: LayeredLM, exit_layer: int) -> int:
     session = state.sessions.get(id(lm))
     done = 0
     if session is not None:
-        done = min(
-            session.computed(exit_layer - 1), common_prefix_length(session.tokens, state.tokens)
-        )
+        done = min(session.computed(exit_layer - 1), session.kept_prefix(state.tokens))
     return max(0, len(state.tokens) - 1 - done)
 
 

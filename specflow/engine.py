@@ -225,7 +225,8 @@ class SpeculativePipeline:
             raise ConfigError(
                 f"{self.name}: the drafter proposed a token tree but this pipeline's acceptor "
                 f"({type(self.acceptor).__name__}) verifies chains only; draft chains "
-                f"(drafter.branches=1) or use acceptor=exact"
+                f"(drafter.branches=1; drafter.then.branches in eagle_pld) or use "
+                f"acceptor=exact"
             )
         logits = self.target_verifier.score(states, drafts)  # each [d_i+1, V]
         t2 = self.clock()
@@ -253,8 +254,9 @@ class SpeculativePipeline:
                 # is not a per-token drafting cost: leave it out of the policy's t_draft.
                 # Both are read from one clock (``DecodeState.clock`` is this ``clock``).
                 draft_s = max(0.0, t1 - t0 - draft.catchup_s) if n > 0 else 0.0
+                # A tree's nodes are not a longer draft: the policy sees its depth.
                 self.draft_length.observe(
-                    st, drafted, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
+                    st, draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
                 )
             st.stats.record_round(self.level, drafted, accepted)
             new = draft.accepted_tokens(verdict) + [verdict.next_token]

@@ -54,7 +54,8 @@ class Drafter(Protocol):
         """New requests start (reset per-request state; prefill may happen here)."""
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
-        """Up to ``asked[i]`` tokens (``1 <= asked[i] <= k``) continuing
+        """Up to ``asked[i]`` tokens (``1 <= asked[i] <= k``; a tree draft: depth up to
+        ``asked[i]``, ``Draft.parents``) continuing
         ``states[i].tokens`` (fewer, even 0, is fine)."""
 
     def observe(
@@ -92,7 +93,8 @@ class TargetVerifier(Protocol):
 
     def score(self, states: list[DecodeState], drafts: list[Draft]) -> list[torch.Tensor]:
         """Target logits ``[d_i+1, V]`` per request (``d_i = len(drafts[i].tokens)``): row j
-        is the target's distribution for draft position j given the committed tokens and
+        is (for a chain; a tree: ``specflow.verification.score_at_exit``) the target's
+        distribution for draft position j given the committed tokens and
         ``draft.tokens[:j]`` (row d_i: the bonus)."""
 
     def uses(self) -> list[ModelUse]:

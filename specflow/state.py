@@ -12,7 +12,8 @@ them):
   ``0 <= asked <= min(k, budget - 1)`` (``budget - 1``: the round's bonus token must still
   fit ``max_new_tokens``), chosen by the draft-length policy (``RoundStats.asked_per_round``).
 - **drafted**: the tokens the drafter proposed, ``len(Draft.tokens) <= asked`` (a lookup may
-  find fewer; a drafter may stop when unsure).
+  find fewer; a drafter may stop when unsure).  A tree draft (``Draft.parents``) counts all
+  its nodes, up to ``branches * asked``; its depth (``Draft.depth``) is ``<= asked``.
 - **accepted tokens**: draft tokens the acceptor keeps in a round (0..drafted).
 - **bonus / correction token**: the one token the target contributes each round: its own
   choice at the first rejected position (correction), or after the last draft token when
@@ -73,6 +74,31 @@ class Draft:
     probs: torch.Tensor | None = None
     catchup_s: float = 0.0
     parents: list[int] | None = None
+
+    @property
+    def depth(self) -> int:
+        """The longest path of the draft: ``drafted`` for a chain, the tree's depth for a
+        tree (the most draft tokens one round can accept; what a draft-length policy
+        asked for)."""
+        if self.parents is None:
+            return len(self.tokens)
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths, default=0)
+
+    def first_chain(self) -> list[int]:
+        """Node indices of the chain of first children from the first root (a chain: every
+        token): the tree's top-1 path, the drafter's own best guess."""
+        if self.parents is None:
+            return list(range(len(self.tokens)))
+        chain: list[int] = []
+        parent = -1
+        while (nxt := next((i for i, p in enumerate(self.parents) if p == parent), None)) \
+                is not None:
+            chain.append(nxt)
+            parent = nxt
+        return chain
 
     def accepted_tokens(self, verdict: Acceptance) -> list[int]:
         """The draft tokens ``verdict`` keeps, in order (a chain's prefix, or a tree's

@@ -33,7 +33,8 @@ def score_at_exit(
         elif exit_layer != lm.info.num_layers:
             raise ConfigError(
                 f"a token tree is verified at the last exit only, not at exit {exit_layer} "
-                "(an intermediate verifier); draft chains (drafter.branches=1)"
+                "(an intermediate verifier); draft chains (drafter.branches=1; "
+                "drafter.then.branches in eagle_pld)"
             )
         else:  # one forward over the tree, every node seeing its ancestors only
             session.set_tree(st.tokens, draft.tokens, draft.parents)

@@ -153,50 +153,53 @@ class FeatureDrafter:
         rows_of = dict.fromkeys(todo, 1)  # rows of `predicted` per active request
         active = list(todo)
         step = 0
-        while active:
-            logits = dm.logits(predicted).cpu()  # [R, S]
-            still, sources, next_ids, added = [], [], [], []
-            row = 0
-            for i in active:
-                st, r = states[i], rows_of[i]
-                block = logits[row : row + r]  # [r, S]
-                if i in parents:  # a tree: top-m at the first step, then top-1 per branch
-                    m = self._width(st, asked[i])
-                    picked = block[0].topk(m).indices if step == 0 else block.argmax(-1)
-                    new = [int(t) for t in dm.ids[picked].tolist()]
-                    first = len(tokens[i]) - r  # the previous level's first node
-                    parents[i] += [-1] * m if step == 0 else list(range(first, first + m))
-                    src = [row] * m if step == 0 else list(range(row, row + m))
-                    go_on = asked[i] > step + 1
-                else:
-                    picked, probs = choose(block, st.sampling, st.generator)
-                    new, src = [int(dm.ids[picked[0]])], [row]
-                    if probs is not None:
-                        q_rows[i].append(dm.to_vocab(probs))
-                    confident = (self.min_confidence <= 0.0
-                                 or float(block.softmax(-1).max()) >= self.min_confidence)
-                    go_on = confident and asked[i] > step + 1
-                tokens[i] += new
-                if go_on:
-                    still.append(i)
-                    sources += src
-                    next_ids += new
-                    added.append(len(new))
-                row += r
-            step += 1
-            if not still:
-                break
-            for i in still:
-                if i in parents:  # the head's rows of this step continue their branches
-                    caches[i].tree = TreeLayout(len(states[i].tokens) - 1, tuple(parents[i]))
-            predicted = dm.step(predicted[sources], torch.tensor(next_ids, dtype=torch.long),
-                                [(caches[i], t) for i, t in zip(still, added, strict=True)])
-            rows_of.update(zip(still, added, strict=True))
-            active = still
+        try:
+            while active:
+                logits = dm.logits(predicted).cpu()  # [R, S]
+                still, sources, next_ids, added = [], [], [], []
+                row = 0
+                for i in active:
+                    st, r = states[i], rows_of[i]
+                    block = logits[row : row + r]  # [r, S]
+                    if i in parents:  # a tree: top-m at the first step, then top-1 per branch
+                        m = self._width(st, asked[i])
+                        picked = block[0].topk(m).indices if step == 0 else block.argmax(-1)
+                        new = [int(t) for t in dm.ids[picked].tolist()]
+                        first = len(tokens[i]) - r  # the previous level's first node
+                        parents[i] += [-1] * m if step == 0 else list(range(first, first + m))
+                        src = [row] * m if step == 0 else list(range(row, row + m))
+                        go_on = asked[i] > step + 1
+                    else:
+                        picked, probs = choose(block, st.sampling, st.generator)
+                        new, src = [int(dm.ids[picked[0]])], [row]
+                        if probs is not None:
+                            q_rows[i].append(dm.to_vocab(probs))
+                        confident = (self.min_confidence <= 0.0
+                                     or float(block.softmax(-1).max()) >= self.min_confidence)
+                        go_on = confident and asked[i] > step + 1
+                    tokens[i] += new
+                    if go_on:
+                        still.append(i)
+                        sources += src
+                        next_ids += new
+                        added.append(len(new))
+                    row += r
+                step += 1
+                if not still:
+                    break
+                for i in still:
+                    if i in parents:  # the head's rows of this step continue their branches
+                        caches[i].tree = TreeLayout(len(states[i].tokens) - 1, tuple(parents[i]))
+                predicted = dm.step(predicted[sources], torch.tensor(next_ids, dtype=torch.long),
+                                    [(caches[i], t) for i, t in zip(still, added, strict=True)])
+                rows_of.update(zip(still, added, strict=True))
+                active = still
+        finally:  # a tree's layout never outlives the round
+            for i in todo:
+                caches[i].tree = None
         for pos, i in enumerate(todo):
             st = states[i]
             committed = len(st.tokens) - 1
-            caches[i].tree = None
             caches[i].truncate(committed)  # only rows of target features stay
             st.session(self.lm).retain_final_from(committed)
             probs = torch.cat(q_rows[i]) if q_rows[i] else None

@@ -311,6 +311,11 @@ class PoolDrafter:
             self._rounds[arm][1] += 1
             rate = (verdict.num_accepted + 1) * self._step_s / (draft_s + verify_s)
             reward = min(1.0, rate / self.rate_scale)
+        elif draft.parents is not None:  # a tree (greedy): its top-1 chain, on its rows
+            chain = draft.first_chain()
+            rows = [0, *(i + 1 for i in chain[:-1])]  # the target's row before each node
+            p = target_logits[rows].float().softmax(-1)  # temperature 1
+            reward = block_divergence([draft.tokens[i] for i in chain], None, p)
         elif state.sampling.greedy:
             p = target_logits[:drafted].float().softmax(-1)  # temperature 1
             reward = block_divergence(draft.tokens, draft.probs, p)

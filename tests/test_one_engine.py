@@ -122,6 +122,10 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
         }
         return pipe(PoolDrafter(arms, UCBSelector(c=0.3, prior=6), reward="rate",
                                 rate_scale=3.0))
+    if method == "metasd_tree":  # the bd reward of a tree arm reads its top-1 chain's rows
+        arms = {"pld": PLDDrafter(k=4),
+                "tree": FeatureDrafter(lm, head=feature_head, k=2, branches=3)}
+        return pipe(PoolDrafter(arms, RoundRobinSelector()))
     if method == "metasd_adapter":  # the adapter's arm sits idle in some rounds
         arms = {"pld": PLDDrafter(k=4), "exit_early": ModelDrafter(lm, k=3, exit_layer=2)}
         return pipe(PoolDrafter(arms, RoundRobinSelector()))
@@ -174,6 +178,7 @@ METHODS = [
     "metasd_eagle",
     "feature_tree",
     "pld_then_feature_tree",
+    "metasd_tree",
 ]
 
 
@@ -202,8 +207,9 @@ def test_every_pipeline_equals_hf_greedy(method, batch_size, kind, target, draft
     if method != "ar":
         assert sum(g.stats.drafted for g in gens) > 0  # speculation happened
     if method in ("metasd_ucb", "metasd_discounted_ucb", "metasd_round_robin", "metasd_adapter",
-                  "metasd_eagle"):
+                  "metasd_eagle", "metasd_tree"):
         assert len({a for g in gens for a in g.stats.arms}) > 1  # several arms drafted
+        assert all(0.0 <= r <= 1.0 for g in gens for r in g.stats.rewards)
 
 
 def test_a_tree_keeps_paths_through_other_branches(target, feature_head):
@@ -263,6 +269,15 @@ def test_sampling_follows_the_target_law_at_batch_three(which, target, drafter, 
              else FeatureDrafter(lm, head=feature_head, k=2,
                                  branches=3 if which == "feature_tree" else 1))
     pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
+    if which == "feature_tree":  # a tree drafter drafts chains for sampled requests
+        propose = draft.propose
+
+        def chains_only(states, asked):
+            drafts = propose(states, asked)
+            assert all(d.parents is None for d in drafts)
+            return drafts
+
+        draft.propose = chains_only
     prompt = [1, 5, 9]
     law = two_token_law(lm, prompt, sampling)
     trials = 900

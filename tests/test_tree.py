@@ -87,6 +87,8 @@ def test_tree_forward_equals_each_path_as_a_chain(lm, kind):
         assert torch.allclose(logits[i + 1], want, atol=1e-4), i
     # Commit the path 1 -> 3 and a bonus token: the keys of nodes 1 and 3 move into place.
     new = COMMITTED + [22, 24, 40]
+    assert sess.kept_prefix(new) == n + 2  # what catch-up counts as done, tree pending
+    assert sess.kept_prefix(COMMITTED[:-1] + [99]) == n - 1
     sess.set_tokens(new)
     assert sess.tokens == new
     assert [sess.computed(layer) for layer in range(lm.info.num_layers)] == [n + 2] * 3
@@ -113,15 +115,23 @@ def test_tree_in_a_batch_beside_a_chain(lm):
             return ModelSession(lm, 64, pool.add_sequence(seq_id, 64), seq_id=seq_id)
 
         a, b = open_session(0), open_session(1)
-        other = [2, 4, 6, 8]
+        other = [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
         a.set_tokens(COMMITTED)
-        b.set_tokens(other + [10, 12])
-        forward_logits([(a, 3, 0, len(COMMITTED) - 1), (b, 3, 0, 3)])
+        b.set_tokens(other)
+        forward_logits([(a, 3, 0, len(COMMITTED) - 1), (b, 3, 0, 2)])
         a.set_tree(COMMITTED, NODES, PARENTS)
         n = len(COMMITTED)
-        tree_rows, chain_rows = forward_logits([(a, 3, n - 1, n + len(NODES)), (b, 3, 3, 6)])
-        assert torch.allclose(tree_rows[5], _chain_logits(lm, COMMITTED + _path(4)), atol=1e-4)
-        assert torch.allclose(chain_rows[2], _chain_logits(lm, other + [10, 12]), atol=1e-4)
+        # The chain's block (8 rows) is longer than the tree's (6): the tree's rows are
+        # left-padded in the paged batch.
+        tree_rows, chain_rows = forward_logits([(a, 3, n - 1, n + len(NODES)),
+                                                (b, 3, 2, len(other))])
+        assert torch.allclose(tree_rows[0], _chain_logits(lm, COMMITTED), atol=1e-4)
+        for i in range(len(NODES)):
+            want = _chain_logits(lm, COMMITTED + _path(i))
+            assert torch.allclose(tree_rows[i + 1], want, atol=1e-4), (kind, i)
+        for j in range(len(other) - 2):
+            want = _chain_logits(lm, other[: j + 3])
+            assert torch.allclose(chain_rows[j], want, atol=1e-4), (kind, j)
 
 
 def test_keep_rows_moves_keys_in_both_layouts(lm):
@@ -138,15 +148,28 @@ def test_keep_rows_moves_keys_in_both_layouts(lm):
         cache.keep_rows(4, [1, 0])
     pool = PagedKVCache(spec, num_blocks=8, block_size=4)
     layers = pool.add_sequence(0, 16)
-    pool.reserve(0, 10)
+    pool.reserve(0, 10)  # 3 blocks of 4
     slots = pool.slots(0, 0, 10)
     pool.k[1].view(-1, spec.kv_heads, spec.head_dim)[slots] = k.transpose(0, 1)
     for layer in range(spec.num_layers):
         pool.set_length(0, layer, 10)
-    layers[1].keep_rows(4, [0, 2, 5])
-    assert layers[1].length == 7
+    for layer in layers:
+        layer.keep_rows(4, [0, 2, 3])
+        assert layer.length == 7
     flat = pool.k[1].view(-1, spec.kv_heads, spec.head_dim)
-    assert flat[pool.slots(0, 4, 7), 0, 0].tolist() == [4.0, 6.0, 9.0]
+    assert flat[pool.slots(0, 4, 7), 0, 0].tolist() == [4.0, 6.0, 7.0]
+    assert len(pool.blocks_of(0)) == 2  # the third block held only dropped rows: freed
+    assert pool.allocator.num_used == 2
+    pool.remove_sequence(0)
+    pool.allocator.check_no_leaks()
+
+
+def test_draft_depth_and_first_chain():
+    tree = Draft(NODES, parents=PARENTS)
+    assert (tree.depth, tree.first_chain()) == (3, [0, 2, 4])
+    chain = Draft([4, 5])
+    assert (chain.depth, chain.first_chain()) == (2, [0, 1])
+    assert Draft([], parents=[]).depth == 0
 
 
 def test_greedy_tree_accept_walks_the_argmax_path():

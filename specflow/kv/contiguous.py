@@ -98,7 +98,8 @@ class ContiguousAttention:
             device = batch[0][0].k.device
             hit = torch.tensor([p for (kv, t), tree in zip(batch, trees, strict=True)
                                 for p in (range(kv.length, kv.length + t) if tree is None
-                                          else tree.positions(kv.length, t))])
+                                          else tree.positions(kv.length, t))],
+                               dtype=torch.long)
             hit = memo[key] = hit.to(device)
         return hit
 

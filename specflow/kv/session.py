@@ -242,7 +242,8 @@ class ModelSession:
         if isinstance(self.model.kv, SelfManagedKV) or self.adapters:
             raise ConfigError(
                 f"{self.model.info.name}: tree drafts need the native backend without an "
-                "attention adapter on the verified model; use a chain (drafter.branches=1)"
+                "attention adapter on the verified model; use a chain (drafter.branches=1; "
+                "drafter.then.branches in eagle_pld)"
             )
         if len(committed) + len(nodes) > self.max_len:
             raise PromptTooLongError(
@@ -251,15 +252,15 @@ class ModelSession:
             )
         self.set_tokens(committed)
         root = len(committed) - 1
-        if any(self.computed(layer) > root for layer in range(self.num_layers)):
-            raise RuntimeError(f"set_tree: position {root} (the root) is already computed")
+        self.truncate(root)  # the root is the tree's row 0: computed in the tree's forward
         self.tree = TreeLayout(root, (-1, *(p + 1 for p in parents)))
         for cache in self._attended():
             cache.tree = self.tree
         self.tokens = list(committed) + list(nodes)
 
     def _attended(self) -> list[AttendedKV]:
-        """The layer caches as the attention backends see them (native models only)."""
+        """The layer caches as the attention backends see them (a session with a tree has
+        only such caches: ``set_tree`` refuses models that keep their own)."""
         return [c for c in self.caches if isinstance(c, AttendedKV)]
 
     def _keep_tree_path(self, tokens: list[int]) -> None:
@@ -275,16 +276,18 @@ class ModelSession:
             self.truncate(root)  # the committed tokens changed under the tree
             return
         nodes = self.tokens[root + 1 :]
-        parents = [p - 1 for p in tree.parents[1:]]
-        path = path_rows(parents, nodes, tokens[root + 1 :])
+        path = self._tree_path(tree, tokens)
         rows = [0, *(i + 1 for i in path)]
-        for layer in range(self.num_layers):
-            done = self.computed(layer)
-            if done == tree.end:
-                self.caches[layer].keep_rows(root, rows)  # type: ignore[attr-defined]
-            elif done > root:
-                raise RuntimeError(f"layer {layer} computed part of a tree ({done} of "
-                                   f"[{root}, {tree.end}))")
+        caches = self._attended()
+        partial = [c.length for c in caches if root < c.length != tree.end]
+        held = [layer for layer in range(1, self.num_layers)
+                if self.kept[layer] is not None and self.computed(layer - 1) > root]
+        if partial or held:  # set_tree's forward is a full one: nothing is half done
+            raise RuntimeError(f"a tree of [{root}, {tree.end}) is partly computed "
+                               f"(layer lengths {partial}, kept states {held})")
+        for cache in caches:
+            if cache.length == tree.end:
+                cache.keep_rows(root, rows)
         if self.final_hidden is not None:
             have = self.final_start + self.final_hidden.shape[0]
             if self.final_start <= root and have == tree.end:
@@ -296,6 +299,22 @@ class ModelSession:
                 if self.final_hidden.shape[0] == 0:
                     self.final_hidden = None
         self.tokens = self.tokens[: root + 1] + [nodes[i] for i in path]
+
+    def _tree_path(self, tree: TreeLayout, tokens: list[int]) -> list[int]:
+        """The pending tree's nodes that spell ``tokens`` after its root (``path_rows``)."""
+        nodes = self.tokens[tree.start + 1 :]
+        parents = [p - 1 for p in tree.parents[1:]]
+        return path_rows(parents, nodes, tokens[tree.start + 1 :])
+
+    def kept_prefix(self, tokens: list[int]) -> int:
+        """How many leading positions of ``tokens`` this session's work is for: the common
+        prefix, or with a pending tree the root plus the path ``set_tokens(tokens)`` would
+        keep (positions computed or not; see ``computed``)."""
+        tree = self.tree
+        if tree is None or common_prefix_length(self.tokens[: tree.start + 1], tokens) <= \
+                tree.start:
+            return common_prefix_length(self.tokens, tokens)
+        return tree.start + 1 + len(self._tree_path(tree, tokens))
 
     def extend(self, new_tokens: list[int]) -> None:
         """Append tokens (no computation happens until logits are asked for)."""

@@ -59,9 +59,14 @@ class StaticStats:
 class _StaticLayer:
     """What ``run_layer`` sees as a layer's KV on the static path (an ``AttendedKV``): the
     layer index and the static backend; the real per-sequence bookkeeping is done around the
-    replay, so ``length`` stays 0 and the buffers hold the positions."""
+    replay, so ``length`` stays 0 and the buffers hold the positions.  Never a token tree
+    (sessions with one run eagerly), never compacted."""
 
     seq_id = -1  # the rows of every sequence of the step
+    tree = None  # static steps are chains
+
+    def keep_rows(self, start: int, rows: list[int]) -> None:  # pragma: no cover
+        raise TypeError("a static layer belongs to no session")
 
     def __init__(self, layer: int, attention: StaticAttention, max_len: int) -> None:
         self.layer = layer

@@ -15,9 +15,9 @@ rows from ``start`` on as such a tree:
 A chain (every ``parents[r] = r - 1``) is ordinary causal attention.  Rows of a forward
 that lie before ``start`` are ordinary causal rows.  The attention backends
 (``specflow.kv.contiguous``, ``specflow.kv.paged``) read a cache's layout from
-``AttendedKV.tree``; ``ModelSession.set_tree`` sets it for a verification and moves the
-accepted path's keys/values into place afterwards (``keep_rows``).  This module imports
-nothing of specflow.
+``AttendedKV.tree``; ``ModelSession.set_tree`` sets it for a verification, and the session's
+next ``set_tokens`` moves the accepted path's keys/values into place (``keep_rows``).
+This module imports nothing of specflow.
 """
 
 from __future__ import annotations
