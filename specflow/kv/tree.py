@@ -54,10 +54,6 @@ class TreeLayout:
         """The first position after the tree."""
         return self.start + len(self.parents)
 
-    def extended(self, parents: list[int]) -> TreeLayout:
-        """This tree with more rows appended (their parents index the whole tree)."""
-        return TreeLayout(self.start, self.parents + tuple(parents))
-
     def covers(self, s: int, t: int) -> bool:
         """Whether a forward of positions ``[s, s+t)`` has rows in the tree (then it must
         end at the tree's end: ``ValueError`` otherwise)."""
