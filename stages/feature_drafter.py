@@ -60,17 +60,26 @@ class FeatureDrafter:
         min_confidence: stop drafting once the head's top probability drops below this.
         branches: 1 drafts a chain; m > 1 drafts (greedy requests) a tree of m branches of
             depth up to k (module doc).
+        trees: when a round drafts trees (``branches > 1``): ``free_rows`` (default) only
+            when, on a CPU, the round's verify rows with trees stay within what the target's
+            padded matmuls pay for anyway, ``max(model.min_rows, rows with chains)`` (batch
+            1 at the probed 5 rows: a 2 x 2 tree; at batch 3 the extra rows cost: chains);
+            on other devices always; ``always``: every round that can.
     """
 
     name = "feature"
 
     def __init__(self, model: Any, head: str = "default", k: int = 4,
-                 min_confidence: float = 0.0, branches: int = 1) -> None:
+                 min_confidence: float = 0.0, branches: int = 1,
+                 trees: str = "free_rows") -> None:
         if k < 1:
             raise ConfigError(f"drafter.k must be >= 1, got {k}")
         if branches < 1:
             raise ConfigError(f"drafter.branches must be >= 1 (1: a chain), got {branches}")
+        if trees not in ("free_rows", "always"):
+            raise ConfigError(f"drafter.trees must be free_rows or always, got {trees!r}")
         self.branches = branches
+        self.trees = trees
         if not 0.0 <= min_confidence < 1.0:
             raise ConfigError(f"drafter.min_confidence must be in [0, 1), got {min_confidence}")
         self.lm = as_layered_lm(model)
@@ -149,7 +158,7 @@ class FeatureDrafter:
         # Per tree request: every node's parent (-1: the last committed token).
         parents: dict[int, list[int]] = {
             i: [] for i in todo if self._width(states[i], asked[i]) > 1
-        }
+        } if self._trees_pay(dm, [states[i] for i in todo], [asked[i] for i in todo]) else {}
         rows_of = dict.fromkeys(todo, 1)  # rows of `predicted` per active request
         active = list(todo)
         step = 0
@@ -206,6 +215,18 @@ class FeatureDrafter:
             drafts[i] = Draft(tokens[i], probs, catchup_s=step0_s if catchup[pos] else 0.0,
                               parents=parents.get(i))
         return drafts
+
+    def _trees_pay(self, dm: FeatureDraftModel, states: list[DecodeState], asked: list[int]
+                   ) -> bool:
+        """Whether this round drafts trees (``trees``, class doc): the verify rows of the
+        drafting requests with trees against with chains and the target's row padding."""
+        if self.branches == 1:
+            return False
+        if self.trees == "always" or dm.target.device.type != "cpu":
+            return True
+        chains = sum(1 + n for n in asked)
+        with_trees = sum(1 + n * self._width(st, n) for st, n in zip(states, asked, strict=True))
+        return with_trees <= max(dm.target.min_rows, chains)
 
     def _width(self, state: DecodeState, asked: int) -> int:
         """The branches a request drafts this round: ``branches`` for a greedy request whose

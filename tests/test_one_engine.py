@@ -124,7 +124,8 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
                                 rate_scale=3.0))
     if method == "metasd_tree":  # the bd reward of a tree arm reads its top-1 chain's rows
         arms = {"pld": PLDDrafter(k=4),
-                "tree": FeatureDrafter(lm, head=feature_head, k=2, branches=3)}
+                "tree": FeatureDrafter(lm, head=feature_head, k=2, branches=3,
+                                       trees="always")}
         return pipe(PoolDrafter(arms, RoundRobinSelector()))
     if method == "metasd_adapter":  # the adapter's arm sits idle in some rounds
         arms = {"pld": PLDDrafter(k=4), "exit_early": ModelDrafter(lm, k=3, exit_layer=2)}
@@ -143,10 +144,11 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
     if method == "feature":
         return pipe(FeatureDrafter(lm, head=feature_head, k=3))
     if method == "feature_tree":  # greedy requests draft 3 branches of depth 2
-        return pipe(FeatureDrafter(lm, head=feature_head, k=2, branches=3))
+        return pipe(FeatureDrafter(lm, head=feature_head, k=2, branches=3, trees="always"))
     if method == "pld_then_feature_tree":
         return pipe(FallbackDrafter(PLDDrafter(k=5, min_ngram=2),
-                                    FeatureDrafter(lm, head=feature_head, k=2, branches=2)))
+                                    FeatureDrafter(lm, head=feature_head, k=2, branches=2,
+                                                   trees="always")))
     if method == "pld_then_feature":  # prompt lookup, the feature head where it finds nothing
         return pipe(FallbackDrafter(PLDDrafter(k=5, min_ngram=2),
                                     FeatureDrafter(lm, head=feature_head, k=2)))
@@ -220,7 +222,7 @@ def test_a_tree_keeps_paths_through_other_branches(target, feature_head):
     for branches in (1, 3):
         pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
                                    drafter=FeatureDrafter(lm, head=feature_head, k=2,
-                                                          branches=branches))
+                                                          branches=branches, trees="always"))
         gens, _ = decode(pipe, 3, "paged", PROMPTS, MAX_NEW)
         assert [g.tokens for g in gens] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
         accepted[branches] = sum(sum(g.stats.accepted_per_round) for g in gens)
@@ -228,6 +230,28 @@ def test_a_tree_keeps_paths_through_other_branches(target, feature_head):
         rounds = sum(len(g.stats.accepted_per_round) for g in gens)
         assert drafted > rounds * branches  # trees of 3 x 2 nodes where the budget allows
     assert accepted[3] > accepted[1]
+
+
+def test_trees_only_where_their_rows_are_free(target, feature_head):
+    """``trees=free_rows``: a round drafts trees when its verify rows with trees stay within
+    max(min_rows, rows with chains): a 2 x 2 tree at batch 1 with 5 padded rows, chains at
+    batch 3 (15 rows against 9) or unpadded; HF's tokens either way."""
+    hf, lm = target
+    want = [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    drafted = {}
+    try:
+        for min_rows, batch in ((5, 1), (5, 3), (1, 1)):
+            lm.min_rows = min_rows
+            draft = FeatureDrafter(lm, head=feature_head, k=2, branches=2)
+            pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
+            gens, _ = decode(pipe, batch, "contiguous", PROMPTS, MAX_NEW)
+            assert [g.tokens for g in gens] == want
+            # the first round of the first two prompts (at batch 3 both draft in it)
+            drafted[min_rows, batch] = [g.stats.drafted_per_round[0] for g in gens[:2]]
+    finally:
+        lm.min_rows = 1
+    # 2 x 2 tree nodes, or a chain of 2
+    assert drafted == {(5, 1): [4, 4], (5, 3): [2, 2], (1, 1): [2, 2]}
 
 
 def test_ragged_acceptance_within_a_batch(target, drafter):
@@ -267,7 +291,8 @@ def test_sampling_follows_the_target_law_at_batch_three(which, target, drafter, 
     sampling = SamplingParams(temperature=1.0, top_k=3)
     draft = (ModelDrafter(drafter[1], k=2) if which == "model"
              else FeatureDrafter(lm, head=feature_head, k=2,
-                                 branches=3 if which == "feature_tree" else 1))
+                                 branches=3 if which == "feature_tree" else 1,
+                                 trees="always"))
     pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
     if which == "feature_tree":  # a tree drafter drafts chains for sampled requests
         propose = draft.propose
