@@ -21,7 +21,10 @@ head's own cache laid out as a tree (``specflow.kv.tree``: a branch attends to t
 features and to its own earlier rows), so a tree of depth d costs d head steps like a chain
 of d, with m rows each.  Sampled requests draft chains (trees are greedy-only,
 ``specflow.acceptance``), and so does a request too close to its context limit for the
-tree; ``min_confidence`` stops chains only.
+tree; ``min_confidence`` stops chains only.  By default (``trees=free_rows``) a CPU round
+drafts trees only where they add no verify rows the target's row padding does not pay for
+anyway (batch 1 at the probed row count); the rows counted are this drafter's requests'
+(in a fallback, requests another drafter drafts for in the same round are not counted).
 """
 
 from __future__ import annotations
