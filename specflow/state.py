@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import torch
 
+from specflow.kv.tree import TreeLayout
 from specflow.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -82,10 +83,7 @@ class Draft:
         asked for)."""
         if self.parents is None:
             return len(self.tokens)
-        depths: list[int] = []
-        for p in self.parents:
-            depths.append(1 if p < 0 else depths[p] + 1)
-        return max(depths, default=0)
+        return 1 + max(TreeLayout(0, tuple(self.parents)).depths, default=-1)
 
     def first_chain(self) -> list[int]:
         """Node indices of the chain of first children from the first root (a chain: every

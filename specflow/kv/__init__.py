@@ -2,7 +2,8 @@
 
 - ``base``: the contract with the models (``LayeredLM``, ``ModelInfo``), the layer caches
   (``LayerKV``, ``AttendedKV``), ``AttentionBackend``, ``KVSpec`` and ``StaticPath``.  It
-  imports nothing else of ``kv``; ``specflow.models`` imports only it.
+  imports nothing else of ``kv`` but the leaf ``tree``; ``specflow.models`` imports only it.
+- ``tree``: ``TreeLayout``, cache rows that form a token tree (masks, positions, the path).
 - ``session``: ``ModelSession``, one model's view of one request (a layered KV cache that
   computes only what is missing), and the batched forwards over many sessions.
 - ``stores``: ``KVStores`` (a run's stores: contiguous or paged, placement, admission).

@@ -8,9 +8,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-$PY scripts/bench_vs_hf.py --target qwen2.5-coder-1.5b --drafter "" \
-  --ids 101 125 173 197 245 269 341 365 413 437 485 509 \
-  --max-new-tokens 128 --repeats 1 --threads 2 \
-  --feature-head "$NEW_FT5" --feature-k 2 --min-rows 0 \
+vs_hf --feature-k 2 --min-rows 0 \
   --only ours_ar_rows ours_eagle_pld ours_eagle_pld_rows hf_pld \
   --out "${OUT:-docs/data/issue23/bench_rows.json}" "$@"

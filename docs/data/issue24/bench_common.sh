@@ -35,3 +35,12 @@ ARMS_FP32=(
   --method self_spec "+experiment=self_spec"
   --method sps_pld "+experiment=sps_pld"
 )
+# ours against HF generate in one process (scripts/bench_vs_hf.py), the 1.5B without a second
+# model, on the table's questions, 128 new tokens, one repeat, with the feature head:
+# vs_hf OPTIONS... (--feature-k, --min-rows, --only, --out, ...)
+vs_hf() {
+  local ids=${TABLE_IDS//[\[\],]/ }
+  # shellcheck disable=SC2086  # the ids are separate arguments
+  $PY scripts/bench_vs_hf.py --target qwen2.5-coder-1.5b --drafter "" --ids $ids \
+    --max-new-tokens 128 --repeats 1 --threads 2 --feature-head "$NEW_FT5" "$@"
+}
