@@ -13,8 +13,10 @@ exit-head job caches as usual (``train_heads.cache.build_cache``).
 Training sequences (split 0), in this order: the local-text answers (``train_<i>`` chunks;
 left out with ``data.local=false``), then, with ``data.specbench=N``, the target's answers to
 the Spec-Bench dev questions that are not held out (``specbench<N>_<i>`` chunks, made by
-``head=feature head.data.specbench_train=true``); held out (split 1): the ``heldout_<i>``
-chunks.  ``data.max_train_positions`` takes the leading training sequences of that order.
+``head=feature head.data.specbench_train=true``), then the chunk sets ``data.chunks`` names
+(e.g. the answers to the prompts the target wrote itself, ``train_heads.magpie``); held out
+(split 1): the ``heldout_<i>`` chunks.  ``data.max_train_positions`` takes the leading
+training sequences of that order.
 
 Invariant: for a sequence of ``L`` tokens, rows ``p = 0 .. L-2`` hold ``h_exit`` of position
 ``p`` and ``h_N`` of position ``p`` (whose argmax is token ``p+1`` on the generated part), as
@@ -48,18 +50,28 @@ log = logging.getLogger("train_heads")
 def train_chunk_names(data: Any) -> list[str]:
     """The chunk names of the training sequences ``data`` (a ``data=feature`` config) reads,
     in order: ``train`` (local text) unless ``data.local`` is false, then ``specbench<N>``
-    with ``data.specbench=N``."""
+    with ``data.specbench=N``, then the names in ``data.chunks`` (other chunk sets of the
+    same cache, e.g. the ``magpie<N>-<hash>`` answers of ``head.data.magpie_prompts``)."""
     local, n = data.get("local", True), data.get("specbench")
+    extra = list(data.get("chunks") or [])
+    for name in extra:
+        if (not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)
+                or name == "heldout" or extra.count(name) > 1):
+            raise ConfigError(f"data.chunks={extra!r}: {name!r} is not a training chunk set; "
+                              "name each <name> of the cache's <name>_<i>.safetensors once "
+                              "(not heldout), e.g. the magpie<N>-<hash> one the feature job "
+                              "logged")
     if not isinstance(local, bool):
         raise ConfigError(f"data.local={local!r}: use true or false")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
         raise ConfigError(f"data.specbench={n!r}: use null or the answers' length N of the "
                           "specbench<N>_*.safetensors chunks (head.data.specbench_max_new_tokens"
                           " of the feature job, 192 by default)")
-    names = (["train"] if local else []) + ([f"specbench{n}"] if n is not None else [])
+    names = (["train"] if local else []) + ([f"specbench{n}"] if n is not None else []) + extra
     if not names:
-        raise ConfigError("data.local=false with data.specbench=null leaves nothing to train "
-                          "on; set data.specbench=<N> (e.g. 192) or data.local=true")
+        raise ConfigError("data.local=false with data.specbench=null and no data.chunks "
+                          "leaves nothing to train on; set data.specbench=<N> (e.g. 192), "
+                          "data.chunks=[<name>] or data.local=true")
     return names
 
 
@@ -78,7 +90,10 @@ def feature_data_dir(model_dir: Path, configured: str | None, first: str = "trai
     first training chunk; ``ConfigError`` when there are none or several: name one with
     ``data.feature_dir``)."""
     chunk = f"{first}_0.safetensors"
-    hint = ("; " + specbench_hint(first)) if first.startswith("specbench") else ""
+    hint = ("; " + specbench_hint(first)) if first.startswith("specbench") else (
+        "" if first == "train" else
+        " (data.chunks names a chunk set the feature job made, e.g. the magpie<N>-<hash> "
+        "answers of head.data.magpie_prompts; its log names it)")
     if configured:
         path = Path(configured).expanduser()
         if not (path / chunk).exists():

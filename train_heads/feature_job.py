@@ -44,6 +44,7 @@ from train_heads.feature_data import (
     generate_chunked,
 )
 from train_heads.local_prompts import local_prompts
+from train_heads.magpie import self_written
 from train_heads.prompts import Prompt, chat_ids, shared_prefix, specbench_split
 
 log = logging.getLogger("train_heads")
@@ -52,7 +53,9 @@ DATA_VERSION = 1
 # prefix-stable sequence (``num_prompts``), and the Spec-Bench training answers have their own
 # chunk name (``specbench<N>_<i>``), so neither changes the folder an existing config uses.
 KEY_EXCLUDED = ("num_prompts", "specbench_train", "specbench_max_new_tokens",
-                "specbench_samples", "specbench_temperature")
+                "specbench_samples", "specbench_temperature", "magpie_prompts",
+                "magpie_temperature", "magpie_max_prompt_tokens", "magpie_max_new_tokens",
+                "magpie_openers")
 
 
 def sampled_chunk_name(max_new_tokens: int, temperature: float, draw: int) -> str:
@@ -210,9 +213,14 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     num_prompts = int(hc.data.num_prompts)
     use_specbench = bool(hc.data.get("specbench_train", False))
-    if num_prompts <= 0 and not use_specbench:
+    magpie_n = int(hc.data.get("magpie_prompts", 0))
+    if magpie_n < 0:
+        raise ConfigError(f"head.data.magpie_prompts={magpie_n}: use 0 (none) or the number "
+                          "of prompts the target writes itself")
+    if num_prompts <= 0 and not use_specbench and magpie_n == 0:
         raise ConfigError("head.data.num_prompts=0 leaves nothing to train on; set "
-                          "head.data.specbench_train=true or num_prompts > 0")
+                          "head.data.specbench_train=true, head.data.magpie_prompts > 0 or "
+                          "num_prompts > 0")
     train_prompts = local_prompts(num_prompts, seed=int(hc.data.seed)) if num_prompts > 0 else []
     train_ids = [ids for ids in (chat_ids(tok, p.content) for p in train_prompts)
                  if len(ids) <= int(hc.data.max_prompt_tokens)]
@@ -247,7 +255,15 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     sampled, t_drawn = drawn_answers(lm, [p.ids for p in sb_train], directory, sb_new,
                                      samples, temp, int(hc.data.gen_batch_size),
                                      int(hc.data.chunk), info.eos_token_ids)
-    train = FeatureSequences.concat([local, sb, sampled])
+    magpie, t_magpie = self_written(
+        lm, tok, magpie_n, directory,
+        temperature=float(hc.data.get("magpie_temperature", 1.0)),
+        max_prompt_tokens=int(hc.data.get("magpie_max_prompt_tokens", 96)),
+        max_new_tokens=int(hc.data.get("magpie_max_new_tokens", 192)),
+        openers=list(hc.data.get("magpie_openers", [""])), seed=int(hc.data.seed),
+        batch_size=int(hc.data.gen_batch_size), chunk=int(hc.data.chunk),
+        eos=info.eos_token_ids, held_out=[p.ids for p in held])
+    train = FeatureSequences.concat([local, sb, sampled, magpie])
     if train.num_seqs == 0:
         raise ConfigError("no training sequences (every local prompt is longer than "
                           "head.data.max_prompt_tokens, and no Spec-Bench question to train on)")
@@ -255,10 +271,11 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     skip = shared_prefix(held)
     n_train_rows = train.num_positions
     log.info("data: %d training sequences, %d positions (local text %d / %d, Spec-Bench %d / "
-             "%d, sampled %d / %d); %d held-out (%d positions); %s", train.num_seqs,
-             n_train_rows, local.num_seqs, local.num_positions, sb.num_seqs, sb.num_positions,
-             sampled.num_seqs, sampled.num_positions, val.num_seqs, val.num_positions,
-             {**t_train, **t_val, **t_sb, **t_drawn})
+             "%d, sampled %d / %d, self-written %d / %d); %d held-out (%d positions); %s",
+             train.num_seqs, n_train_rows, local.num_seqs, local.num_positions, sb.num_seqs,
+             sb.num_positions, sampled.num_seqs, sampled.num_positions, magpie.num_seqs,
+             magpie.num_positions, val.num_seqs, val.num_positions,
+             {**t_train, **t_val, **t_sb, **t_drawn, **t_magpie})
     # ---------------------------------------------------------------- 2. vocabulary
     # (of the combined training set; with init_from, the saved head's is kept)
     vocab_ids, vocab_info = draft_vocabulary(train, int(hc.vocab_size), info.vocab_size,
@@ -309,13 +326,15 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
          else [])
         + ([f"{sb.num_seqs} Spec-Bench dev questions not held out (first turn cut to "
             f"{hc.data.eval_prompt_tokens} tokens, {sb_new}-token answers)"] if sb_train else [])
+        + ([f"{magpie.num_seqs} prompts the target wrote itself (train_heads.magpie)"]
+           if magpie_n else [])
     ) + ", answered greedily by the target" + (
         f"; {samples} more answers of each Spec-Bench question drawn at temperature {temp:g}"
         if samples else "")
     result = {
         "model": info.name, "weights_fingerprint": info.weights_fingerprint,
         "head": OmegaConf.to_container(hc, resolve=True), "before": before, "after": after,
-        "times_s": times, "data": {**t_train, **t_val, **t_sb, **t_drawn,
+        "times_s": times, "data": {**t_train, **t_val, **t_sb, **t_drawn, **t_magpie,
                                    "cache": str(directory),
                                    "train_sequences": train.num_seqs,
                                    "train_positions": n_train_rows,
@@ -329,6 +348,8 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
                                        f"{sampled_chunk_name(sb_new, temp, d)}_*"
                                        for d in range(1, samples + 1)],
                                    "specbench_chunks": f"{sb_name}_*" if sb_train else None,
+                                   "train_magpie_sequences": magpie.num_seqs,
+                                   "train_magpie_positions": magpie.num_positions,
                                    "heldout_sequences": val.num_seqs,
                                    "heldout_positions": val.num_positions,
                                    "source": source},

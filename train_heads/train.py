@@ -163,6 +163,8 @@ def get_cache(cfg: DictConfig, loaded: Any, layers: list[int], prompts: list[Pro
         key_parts["data"].pop("specbench", None)
     if key_parts["data"].get("local") is True:
         key_parts["data"].pop("local", None)
+    if not key_parts["data"].get("chunks"):
+        key_parts["data"].pop("chunks", None)
     directory = data_cache_dir(data.cache_dir) / Path(info.name).name / cache_key(key_parts)
     found = find_cached(directory, layers + [info.num_layers])
     if found is None and process_rank() != 0:

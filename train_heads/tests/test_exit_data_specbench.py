@@ -159,3 +159,34 @@ def test_missing_or_incomplete_chunks_name_the_command(feature_data, tmp_path):
     no_tok = SimpleNamespace(**{**vars(loaded), "tokenizer": None})
     with pytest.raises(ConfigError, match="needs the model's tokenizer"):
         run(_exit_cfg(tmp, "notok", "data.specbench=3"), no_tok)
+
+
+def test_named_chunk_sets_train_after_the_others(feature_data):
+    """``data.chunks=[<name>]``: another chunk set of the cache (the feature job's
+    ``magpie<N>-<hash>`` answers, here a copy of the local ones) trains after the others."""
+    import shutil
+
+    from train_heads.train import run
+
+    tmp, loaded, folder, _ = feature_data
+    shutil.copyfile(folder / "train_0.safetensors", folder / "magpie3-0123abcd_0.safetensors")
+    local, sb = _chunk_seqs(folder, "train"), _chunk_seqs(folder, "specbench3")
+    extra = _chunk_seqs(folder, "magpie3-0123abcd")
+    assert extra == local
+    res = run(_exit_cfg(tmp, "named", "data.specbench=3", "data.local=false",
+                        "data.chunks=[magpie3-0123abcd]"), loaded)
+    cache = HiddenCache.load(Path(res["cache"]["cache"]))
+    assert res["cache"]["built"] and _seqs(cache, 0) == sb + extra
+    assert cache.meta["prompt_ids"][100:104] == [f"magpie3-0123abcd/{i}" for i in range(4)]
+    only = run(_exit_cfg(tmp, "only", "data.local=false", "data.chunks=[magpie3-0123abcd]"),
+               loaded)
+    assert _seqs(HiddenCache.load(Path(only["cache"]["cache"])), 0) == extra
+    for bad in ("[heldout]", "[magpie3-0123abcd,magpie3-0123abcd]", "['../x']"):
+        with pytest.raises(ConfigError, match=r"data.chunks=.*not a training chunk set"):
+            run(_exit_cfg(tmp, "bad", "data.local=false", f"data.chunks={bad}"), loaded)
+    with pytest.raises(ConfigError, match=r"no feature data cache under .* has nothere_\*\."
+                       r"safetensors chunks \(data.chunks names a chunk set"):
+        run(_exit_cfg(tmp, "missing", "data.local=false", "data.chunks=[nothere]"), loaded)
+    with pytest.raises(ConfigError, match=r"no nothere_\*\.safetensors chunks in "):
+        run(_exit_cfg(tmp, "missing2", "data.specbench=3", "data.local=false",
+                      "data.chunks=[nothere]"), loaded)

@@ -1,0 +1,147 @@
+"""Prompts the target writes itself (train_heads/magpie.py): what is kept, what is cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import train_heads.generate as generate_mod
+from train_heads.generate import Generated
+from train_heads.magpie import (
+    keep_reason,
+    magpie_name,
+    ngrams,
+    prompt_text,
+    self_written,
+    user_prefix,
+)
+from train_heads.prompts import chat_ids
+
+END, START = 1, 2
+
+
+class ChatWords:
+    """A word-level tokenizer with a chat template: each new word gets the next id."""
+
+    all_special_ids = [END, START]
+
+    def __init__(self) -> None:
+        self.vocab = {"<|end|>": END, "<|start|>": START}
+        self.words = {END: "<|end|>", START: "<|start|>"}
+
+    def _id(self, word: str) -> int:
+        if word not in self.vocab:
+            self.vocab[word] = len(self.vocab) + 1
+            self.words[self.vocab[word]] = word
+        return self.vocab[word]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self._id(w) for w in text.split()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        text = ("<|start|> system be helpful <|end|> <|start|> user "
+                f"{messages[0]['content']} <|end|>"
+                + (" <|start|> assistant" if add_generation_prompt else ""))
+        return self.encode(text) if tokenize else text
+
+
+HELD = "the quick brown fox jumps over the lazy dog today"
+# (drawn words, closing token or None): what the scripted "target" writes, in order
+SCRIPT = [
+    ("write a poem about the sea please", END),          # kept
+    ("tell me more", None),                              # unfinished: never closed the turn
+    ("write a poem about the sea please", END),          # duplicate (same opener as the first)
+    ("hi", END),                                         # short
+    (f"please {HELD}", END),                             # shares 8+ tokens with a held-out one
+    ("this sentence into german", START),                # kept: closed by another special
+    ("what is a prime number <|im_start|> a prime is", None),  # kept: the marker as text
+]
+# prompt j of a chunk starts with opener j % 2: "" or "Translate" (part of the prompt)
+
+
+def scripted_drawing(tok: ChatWords, starts_seen: list[list[int]]):
+    """``generate_with_hidden`` that writes ``SCRIPT`` when drawing (temperature > 0) and
+    runs the real model when answering."""
+    real = generate_mod.generate_with_hidden
+    queue = list(SCRIPT)
+
+    def fake(lm, prompts, layers, max_new_tokens, batch_size=16, eos_ids=(), progress=True,
+             temperature=0.0, seed=0):
+        if temperature <= 0:
+            return real(lm, prompts, layers, max_new_tokens, batch_size, eos_ids, progress)
+        out = []
+        for start in prompts:
+            starts_seen.append(list(start))
+            words, close = queue.pop(0)
+            body = tok.encode(words) + ([close] if close else [])
+            out.append(Generated(tokens=[*start, *body], prompt_len=len(start), hidden={}))
+        return out
+
+    return fake
+
+
+def test_a_turn_marker_written_as_text_ends_the_prompt():
+    assert prompt_text(" Who is magneto? ", True) == ("Who is magneto?", True)
+    assert prompt_text("Who is magneto?\n\nMagneto is", False) == (
+        "Who is magneto?\n\nMagneto is", False)
+    assert prompt_text("Explain X.\n<|im_start|><|im_start|>\nX is", False) == ("Explain X.", True)
+    assert prompt_text("Hi there you<|endoftext|>Q: <|im_end|>", False) == ("Hi there you", True)
+
+
+def test_keep_reasons():
+    held = ngrams(list(range(10, 20)))
+    assert keep_reason([3, 4, 5], "a b c", True, set(), held) == "kept"
+    assert keep_reason([3, 4, 5], "a b c", False, set(), held) == "unfinished"
+    assert keep_reason([3, 4], "a b", True, set(), held) == "short"
+    assert keep_reason([3, 4, 5], "a b c", True, {"a b c"}, held) == "duplicate"
+    assert keep_reason([9, *range(10, 18)], "x " * 9, True, set(), held) == "heldout_overlap"
+    assert keep_reason([9, *range(10, 17)], "x " * 8, True, set(), held) == "kept"  # 7-run
+
+
+def test_prompts_kept_answered_and_cached(tiny_qwen, tmp_path, monkeypatch):
+    _, lm = tiny_qwen
+    tok = ChatWords()
+    held = [chat_ids(tok, HELD)]
+    prefix = user_prefix(tok)
+    assert tok.decode(prefix) == "<|start|> system be helpful <|end|> <|start|> user"
+    starts: list[list[int]] = []
+    monkeypatch.setattr(generate_mod, "generate_with_hidden", scripted_drawing(tok, starts))
+    kw = dict(temperature=1.0, max_prompt_tokens=16, max_new_tokens=5,
+              openers=["", "Translate"], seed=3, batch_size=4, chunk=4, eos=(END,),
+              held_out=held)
+    seqs, stats = self_written(lm, tok, len(SCRIPT), tmp_path, **kw)
+
+    assert starts[0] == prefix and starts[1] == prefix + tok.encode("Translate")
+    assert starts[2] == prefix  # prompt j of a chunk takes opener j % 2
+    assert {k: stats[k] for k in stats if k.startswith("magpie_") and k[7:] in (
+        "drawn", "kept", "unfinished", "short", "duplicate", "heldout_overlap")} == {
+        "magpie_drawn": 7, "magpie_kept": 3, "magpie_unfinished": 1, "magpie_short": 1,
+        "magpie_duplicate": 1, "magpie_heldout_overlap": 1}
+    assert seqs.num_seqs == 3
+    first = chat_ids(tok, "write a poem about the sea please")
+    second = chat_ids(tok, "Translate this sentence into german")
+    assert seqs.seq(0)[0][: len(first)].tolist() == first and seqs.seq(0)[2] == len(first)
+    assert seqs.seq(1)[0][: len(second)].tolist() == second
+    third = chat_ids(tok, "what is a prime number")
+    assert seqs.seq(2)[0][: len(third)].tolist() == third
+    assert seqs.num_positions == stats["magpie_built_positions"] > 0
+    name = magpie_name(1.0, 16, 5, ["", "Translate"], 3)
+    assert stats["magpie_name"] == name
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"{name}-prompts_0.json", f"{name}-prompts_1.json",
+        f"{name}_0.safetensors", f"{name}_1.safetensors"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rerun on the cache must not run the model")
+
+    monkeypatch.setattr(generate_mod, "generate_with_hidden", refuse)
+    again, stats2 = self_written(lm, tok, len(SCRIPT), tmp_path, **kw)
+    assert torch.equal(again.tokens, seqs.tokens) and torch.equal(again.feats, seqs.feats)
+    assert stats2["magpie_kept"] == 3 and stats2["magpie_built_s"] == 0.0
+    # other drawing settings are other chunks, never the cached ones
+    assert magpie_name(0.7, 16, 5, ["", "Translate"], 3) != name
+    with pytest.raises(AssertionError, match="must not run the model"):
+        self_written(lm, tok, len(SCRIPT), tmp_path, **{**kw, "temperature": 0.7})

@@ -1,0 +1,165 @@
+"""Training prompts the target writes itself (Magpie, Xu et al. 2024), and their answers.
+
+An instruction-tuned model given its chat template up to the start of a user turn writes a
+plausible user message: the distribution of questions it was aligned on.  Each prompt is
+drawn at ``temperature`` from ``prefix + opener`` (``prefix``: the template's tokens before a
+user message's content; ``opener``: optional first words, prompt ``j`` of a chunk takes
+``openers[j % len(openers)]``, ``""`` = the bare template), until any special token (the
+end of the turn; small models also close with ``<|im_start|>`` or ``<|endoftext|>``) or
+``max_prompt_tokens``.  The text of a draw ends at the first turn marker written out as plain text
+(``TURN_MARKERS``: small models often spell ``<|im_start|>`` in ordinary tokens instead of
+closing the turn, then answer their own question).  A drawn prompt is kept iff
+
+- it ended (a special token closed the turn or a turn marker was written: a cut-off
+  question is not a question),
+- it has at least ``MIN_WORDS`` words and no earlier kept prompt has the same text,
+- it shares no ``NGRAM``-token run with any held-out evaluation prompt (disjoint from what
+  is measured: the count dropped for this is recorded).
+
+Kept prompts are wrapped in the chat template as a user turn and answered greedily by the
+target with every position's ``h_N`` (``train_heads.generate``), like the Spec-Bench
+training questions.  Chunk ``i`` (``chunk`` prompts drawn, seeded ``seed * 1_000_003 + i``)
+is cached twice under the data folder: ``<name>-prompts_<i>.json`` (the drawn texts and why
+each was dropped) and ``<name>_<i>.safetensors`` (the answers), ``name`` carrying a hash of
+every setting that changes them, so a rerun loads, an interrupted run resumes at the next
+chunk, and more prompts (``n``) reuse the earlier chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from train_heads.feature_data import FeatureSequences, data_key
+from train_heads.prompts import chat_ids
+
+log = logging.getLogger("train_heads")
+MARK = "\u2063MAGPIE\u2063"  # a content placeholder that no template contains
+NGRAM = 8  # token run shared with a held-out prompt that drops a drawn prompt
+MIN_WORDS = 3
+TURN_MARKERS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+
+def prompt_text(drawn: str, closed: bool) -> tuple[str, bool]:
+    """``(text, ended)`` of a draw: ``drawn`` (its decoded tokens, without the special token
+    that closed it, if ``closed``) cut at the first ``TURN_MARKERS`` text; ``ended`` iff it
+    was closed or a marker was found."""
+    cuts = [i for i in (drawn.find(m) for m in TURN_MARKERS) if i >= 0]
+    if cuts:
+        return drawn[: min(cuts)].strip(), True
+    return drawn.strip(), closed
+
+
+def user_prefix(tokenizer: Any) -> list[int]:
+    """The chat template's tokens before a user message's content (system turn included,
+    as ``chat_ids`` writes it): what the target continues to write a prompt."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": MARK}],
+                                         add_generation_prompt=False, tokenize=False)
+    if MARK not in text:
+        raise ValueError("the tokenizer's chat template drops the user message's content")
+    return list(tokenizer.encode(text.split(MARK)[0], add_special_tokens=False))
+
+
+def ngrams(ids: list[int], n: int = NGRAM) -> set[tuple[int, ...]]:
+    """Every run of ``n`` consecutive ids."""
+    return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
+
+
+def magpie_name(temperature: float, max_prompt_tokens: int, max_new_tokens: int,
+                openers: list[str], seed: int) -> str:
+    """The chunks' name: ``magpie<max_new_tokens>-<hash of the drawing settings>``."""
+    digest = data_key({"t": temperature, "p": max_prompt_tokens, "o": list(openers),
+                       "s": seed})[:8]
+    return f"magpie{max_new_tokens}-{digest}"
+
+
+def keep_reason(content_ids: list[int], text: str, ended: bool, seen: set[str],
+                held: set[tuple[int, ...]]) -> str:
+    """``"kept"`` or why a drawn prompt is dropped (``unfinished``, ``short``, ``duplicate``,
+    ``heldout_overlap``); see the module doc."""
+    if not ended:
+        return "unfinished"
+    if len(text.split()) < MIN_WORDS:
+        return "short"
+    if text in seen:
+        return "duplicate"
+    if ngrams(content_ids) & held:
+        return "heldout_overlap"
+    return "kept"
+
+
+def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperature: float,
+                 max_prompt_tokens: int, max_new_tokens: int, openers: list[str], seed: int,
+                 batch_size: int, chunk: int, eos: tuple[int, ...],
+                 held_out: list[list[int]]) -> tuple[FeatureSequences, dict[str, Any]]:
+    """``n`` drawn prompts (module doc) and the greedy answers of those kept, as feature
+    sequences; plus counts and the seconds spent this run.  ``held_out``: the evaluation
+    prompts' ids in the chat template (the template's prefix is cut off before comparing,
+    so shared template tokens never count as overlap)."""
+    from train_heads.generate import generate_with_hidden
+
+    if n <= 0:
+        return FeatureSequences.empty(lm.info.hidden_size), {}
+    openers = list(openers) or [""]
+    prefix = user_prefix(tokenizer)
+    held = set().union(*(ngrams(h[len(prefix):]) for h in held_out)) if held_out else set()
+    name = magpie_name(temperature, max_prompt_tokens, max_new_tokens, openers, seed)
+    stops = tuple(sorted(set(eos) | set(tokenizer.all_special_ids)))
+    stats: dict[str, Any] = {"magpie_name": name, "magpie_drawn": 0, "magpie_built_s": 0.0,
+                             "magpie_built_positions": 0}
+    seen: set[str] = set()
+    parts = []
+    for c in range((n + chunk - 1) // chunk):
+        count = min(chunk, n - c * chunk)
+        t0 = time.perf_counter()
+        ppath = directory / f"{name}-prompts_{c}.json"
+        if ppath.exists():
+            drawn = json.loads(ppath.read_text())
+        else:
+            starts = [prefix + (tokenizer.encode(openers[j % len(openers)],
+                                                 add_special_tokens=False)
+                                if openers[j % len(openers)] else [])
+                      for j in range(count)]
+            gens = generate_with_hidden(lm, starts, [], max_prompt_tokens, batch_size, stops,
+                                        progress=False, temperature=temperature,
+                                        seed=seed * 1_000_003 + c)
+            drawn = []
+            for g in gens:
+                body = g.tokens[len(prefix):]
+                closed = bool(body) and body[-1] in stops
+                drawn.append({"drawn": tokenizer.decode(body[:-1] if closed else body),
+                              "closed": closed})
+            tmp = ppath.with_suffix(".tmp")
+            tmp.write_text(json.dumps(drawn, indent=1))
+            tmp.replace(ppath)
+        kept = []
+        for d in drawn:
+            text, ended = prompt_text(d["drawn"], d["closed"])
+            ids = chat_ids(tokenizer, text) if text else []
+            why = keep_reason(ids[len(prefix):], text, ended, seen, held)
+            stats[f"magpie_{why}"] = stats.get(f"magpie_{why}", 0) + 1
+            if why == "kept":
+                seen.add(text)
+                kept.append(ids)
+        stats["magpie_drawn"] += len(drawn)
+        apath = directory / f"{name}_{c}.safetensors"
+        if apath.exists():
+            part = FeatureSequences.load(apath)
+        else:
+            # the kept prompts in even batches (33 kept at 32 a batch would decode one alone)
+            even = -(-len(kept) // -(-len(kept) // batch_size)) if kept else batch_size
+            gens = generate_with_hidden(lm, kept, [], max_new_tokens, even, eos,
+                                        progress=False) if kept else []
+            part = (FeatureSequences.from_generated(gens, lm.info.num_layers) if gens
+                    else FeatureSequences.empty(lm.info.hidden_size))
+            part.save(apath)
+            spent = time.perf_counter() - t0
+            stats["magpie_built_s"] += spent
+            stats["magpie_built_positions"] += part.num_positions
+            log.info("[data] %s chunk %d: %d of %d drawn prompts kept, %d answer positions "
+                     "in %.0f s", name, c + 1, len(kept), len(drawn), part.num_positions, spent)
+        parts.append(part)
+    return FeatureSequences.concat(parts), stats
