@@ -113,6 +113,11 @@ def main() -> None:
         help="with --feature-head: adds ours_feature_tree and ours_eagle_pld_tree, the head "
         "drafting a tree of BRANCHES x DEPTH (drafter.branches, drafter.k)",
     )
+    ap.add_argument(
+        "--feature-trees", choices=("free_rows", "always"), default="free_rows",
+        help="drafter.trees of the --feature-tree methods: free_rows (on a CPU, a tree only "
+        "where its verify rows fit the padded row count) or always",
+    )
     ap.add_argument("--feature-ks", type=int, nargs="*", default=[])
     ap.add_argument(
         "--min-rows", type=int, default=None,
@@ -216,7 +221,7 @@ def main() -> None:
 
             def tree() -> FeatureDrafter:
                 return FeatureDrafter(target.lm, head=args.feature_head, k=depth,
-                                      branches=branches)
+                                      branches=branches, trees=args.feature_trees)
 
             ours["ours_feature_tree"] = SpeculativePipeline(
                 verifier, StandardAcceptor(), drafter=tree()
