@@ -42,7 +42,8 @@ class ChatWords:
         return " ".join(self.words[i] for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
-        text = ("<|start|> system be helpful <|end|> <|start|> user "
+        text = ("<|start|> system you are a very helpful and honest assistant <|end|> "
+                "<|start|> user "
                 f"{messages[0]['content']} <|end|>"
                 + (" <|start|> assistant" if add_generation_prompt else ""))
         return self.encode(text) if tokenize else text
@@ -58,7 +59,8 @@ SCRIPT = [
     (f"please {HELD}", END),                             # shares 8+ tokens with a held-out one
     ("this sentence into german", START),                # kept: closed by another special
     ("what is a prime number <|im_start|> a prime is", None),  # kept: the marker as text
-]
+    ("then jumps over the lazy dog today", END),         # kept: 6 shared tokens + the
+]                                                        # template's end are not overlap
 # prompt j of a chunk starts with opener j % 2: "" or "Translate" (part of the prompt)
 
 
@@ -106,7 +108,8 @@ def test_prompts_kept_answered_and_cached(tiny_qwen, tmp_path, monkeypatch):
     tok = ChatWords()
     held = [chat_ids(tok, HELD)]
     prefix = user_prefix(tok)
-    assert tok.decode(prefix) == "<|start|> system be helpful <|end|> <|start|> user"
+    assert tok.decode(prefix) == ("<|start|> system you are a very helpful and honest "
+                                  "assistant <|end|> <|start|> user")  # longer than NGRAM
     starts: list[list[int]] = []
     monkeypatch.setattr(generate_mod, "generate_with_hidden", scripted_drawing(tok, starts))
     kw = dict(temperature=1.0, max_prompt_tokens=16, max_new_tokens=5,
@@ -118,9 +121,9 @@ def test_prompts_kept_answered_and_cached(tiny_qwen, tmp_path, monkeypatch):
     assert starts[2] == prefix  # prompt j of a chunk takes opener j % 2
     assert {k: stats[k] for k in stats if k.startswith("magpie_") and k[7:] in (
         "drawn", "kept", "unfinished", "short", "duplicate", "heldout_overlap")} == {
-        "magpie_drawn": 7, "magpie_kept": 3, "magpie_unfinished": 1, "magpie_short": 1,
+        "magpie_drawn": 8, "magpie_kept": 4, "magpie_unfinished": 1, "magpie_short": 1,
         "magpie_duplicate": 1, "magpie_heldout_overlap": 1}
-    assert seqs.num_seqs == 3
+    assert seqs.num_seqs == 4
     first = chat_ids(tok, "write a poem about the sea please")
     second = chat_ids(tok, "Translate this sentence into german")
     assert seqs.seq(0)[0][: len(first)].tolist() == first and seqs.seq(0)[2] == len(first)
@@ -140,8 +143,67 @@ def test_prompts_kept_answered_and_cached(tiny_qwen, tmp_path, monkeypatch):
     monkeypatch.setattr(generate_mod, "generate_with_hidden", refuse)
     again, stats2 = self_written(lm, tok, len(SCRIPT), tmp_path, **kw)
     assert torch.equal(again.tokens, seqs.tokens) and torch.equal(again.feats, seqs.feats)
-    assert stats2["magpie_kept"] == 3 and stats2["magpie_built_s"] == 0.0
+    assert stats2["magpie_kept"] == 4 and stats2["magpie_built_s"] == 0.0
     # other drawing settings are other chunks, never the cached ones
     assert magpie_name(0.7, 16, 5, ["", "Translate"], 3) != name
     with pytest.raises(AssertionError, match="must not run the model"):
         self_written(lm, tok, len(SCRIPT), tmp_path, **{**kw, "temperature": 0.7})
+
+
+def numbered_drawing(tok: ChatWords, calls: list[int]):
+    """``generate_with_hidden`` drawing "prompt number <i> here" (a new i per draw, every
+    one closed) and answering with the real model; ``calls`` counts the drawing calls."""
+    real = generate_mod.generate_with_hidden
+    count = iter(range(10_000))
+
+    def fake(lm, prompts, layers, max_new_tokens, batch_size=16, eos_ids=(), progress=True,
+             temperature=0.0, seed=0):
+        if temperature <= 0:
+            return real(lm, prompts, layers, max_new_tokens, batch_size, eos_ids, progress)
+        calls.append(len(prompts))
+        return [Generated([*p, *tok.encode(f"prompt number {next(count)} here"), END],
+                          len(p), {}) for p in prompts]
+
+    return fake
+
+
+def test_more_prompts_redraw_a_partial_chunk_and_stale_answers_are_rebuilt(
+        tiny_qwen, tmp_path, monkeypatch):
+    import json
+
+    _, lm = tiny_qwen
+    tok = ChatWords()
+    calls: list[int] = []
+    monkeypatch.setattr(generate_mod, "generate_with_hidden", numbered_drawing(tok, calls))
+    kw = dict(temperature=1.0, max_prompt_tokens=8, max_new_tokens=3, openers=[""], seed=0,
+              batch_size=4, chunk=4, eos=(END,), held_out=[])
+    seqs, stats = self_written(lm, tok, 3, tmp_path, **kw)
+    assert calls == [3] and seqs.num_seqs == 3 and stats["magpie_kept"] == 3
+    seqs, stats = self_written(lm, tok, 6, tmp_path, **kw)  # chunk 0 had 3 draws, not 4
+    assert calls == [3, 4, 2] and seqs.num_seqs == 6 and stats["magpie_drawn"] == 6
+    name = magpie_name(1.0, 8, 3, [""], 0)
+    first = json.loads((tmp_path / f"{name}-prompts_0.json").read_text())
+    assert len(first) == 4
+    # a prompts file edited (or a filter changed): the answers follow the kept list
+    first[1]["closed"] = False
+    (tmp_path / f"{name}-prompts_0.json").write_text(json.dumps(first))
+    again, stats = self_written(lm, tok, 6, tmp_path, **kw)
+    assert calls == [3, 4, 2] and stats["magpie_unfinished"] == 1
+    assert again.num_seqs == 5 and stats["magpie_built_positions"] > 0
+    kept = [chat_ids(tok, prompt_text(d["drawn"], True)[0]) for d in first if d["closed"]]
+    assert [again.seq(i)[0][: again.seq(i)[2]].tolist() for i in range(3)] == kept
+
+
+def test_bad_drawing_settings_name_the_value(tmp_path):
+    from omegaconf import OmegaConf
+
+    from specflow.errors import ConfigError
+    from train_heads.feature_job import self_written_data
+
+    base = {"seed": 0, "gen_batch_size": 4, "chunk": 4}
+    for bad, match in (({"magpie_openers": "Translate"}, "magpie_openers='Translate'"),
+                       ({"magpie_temperature": 0.0}, "magpie_temperature=0.0: use > 0"),
+                       ({"magpie_max_prompt_tokens": 0}, "magpie_max_prompt_tokens=0")):
+        with pytest.raises(ConfigError, match=match):
+            self_written_data(None, ChatWords(), OmegaConf.create({**base, **bad}), 4, tmp_path,
+                              None, [])

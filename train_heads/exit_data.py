@@ -68,6 +68,9 @@ def train_chunk_names(data: Any) -> list[str]:
                           "specbench<N>_*.safetensors chunks (head.data.specbench_max_new_tokens"
                           " of the feature job, 192 by default)")
     names = (["train"] if local else []) + ([f"specbench{n}"] if n is not None else []) + extra
+    if len(set(names)) < len(names):
+        raise ConfigError(f"data.chunks={extra!r} repeats a chunk set data.local / "
+                          f"data.specbench already train on ({names}); name each once")
     if not names:
         raise ConfigError("data.local=false with data.specbench=null and no data.chunks "
                           "leaves nothing to train on; set data.specbench=<N> (e.g. 192), "

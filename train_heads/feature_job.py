@@ -108,6 +108,35 @@ def check_disjoint(train: list[Prompt], held: list[Prompt]) -> None:
         raise ConfigError(f"Spec-Bench questions {both} are both trained on and held out")
 
 
+def held_out_uncut(tok: Any, data: Any) -> list[list[int]]:
+    """The held-out Spec-Bench questions' first turns, uncut, in the chat template: what the
+    self-written prompts must not overlap (benchmarks run the whole question)."""
+    return [p.ids for p in specbench_split(tok, 0, int(data.eval_every),
+                                           int(data.eval_offset))[1]]
+
+
+def self_written_data(lm: Any, tok: Any, data: Any, n: int, directory: Path, info: Any,
+                      held_out: list[list[int]]) -> tuple[FeatureSequences, dict[str, Any]]:
+    """``head.data.magpie_*`` checked (``ConfigError`` naming the value) and passed to
+    ``train_heads.magpie.self_written``."""
+    openers = data.get("magpie_openers", [""])
+    if isinstance(openers, str) or not all(isinstance(o, str) for o in openers):
+        raise ConfigError(f"head.data.magpie_openers={openers!r}: use a list of strings, e.g. "
+                          "'[\"\",\"Translate\"]' (\"\" is the bare template)")
+    temperature = float(data.get("magpie_temperature", 1.0))
+    max_prompt = int(data.get("magpie_max_prompt_tokens", 96))
+    if n and temperature <= 0:
+        raise ConfigError(f"head.data.magpie_temperature={temperature}: use > 0 (greedy "
+                          "drawing writes the same prompt for every draw of an opener)")
+    if n and max_prompt <= 0:
+        raise ConfigError(f"head.data.magpie_max_prompt_tokens={max_prompt}: use > 0")
+    return self_written(
+        lm, tok, n, directory, temperature=temperature, max_prompt_tokens=max_prompt,
+        max_new_tokens=int(data.get("magpie_max_new_tokens", 192)), openers=list(openers),
+        seed=int(data.seed), batch_size=int(data.gen_batch_size), chunk=int(data.chunk),
+        eos=info.eos_token_ids, held_out=held_out)
+
+
 @torch.no_grad()
 def evaluate_head(head: FeatureHead, lm: Any, data: FeatureSequences, skip: int, k: int
                   ) -> dict[str, float]:
@@ -255,18 +284,13 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     sampled, t_drawn = drawn_answers(lm, [p.ids for p in sb_train], directory, sb_new,
                                      samples, temp, int(hc.data.gen_batch_size),
                                      int(hc.data.chunk), info.eos_token_ids)
-    magpie, t_magpie = self_written(
-        lm, tok, magpie_n, directory,
-        temperature=float(hc.data.get("magpie_temperature", 1.0)),
-        max_prompt_tokens=int(hc.data.get("magpie_max_prompt_tokens", 96)),
-        max_new_tokens=int(hc.data.get("magpie_max_new_tokens", 192)),
-        openers=list(hc.data.get("magpie_openers", [""])), seed=int(hc.data.seed),
-        batch_size=int(hc.data.gen_batch_size), chunk=int(hc.data.chunk),
-        eos=info.eos_token_ids, held_out=[p.ids for p in held])
+    magpie, t_magpie = self_written_data(lm, tok, hc.data, magpie_n, directory, info,
+                                         held_out_uncut(tok, hc.data) if magpie_n else [])
     train = FeatureSequences.concat([local, sb, sampled, magpie])
     if train.num_seqs == 0:
         raise ConfigError("no training sequences (every local prompt is longer than "
-                          "head.data.max_prompt_tokens, and no Spec-Bench question to train on)")
+                          "head.data.max_prompt_tokens, no Spec-Bench question to train on, "
+                          "and no self-written prompt kept: see the magpie_* counts)")
     times["data_s"] = time.perf_counter() - t0
     skip = shared_prefix(held)
     n_train_rows = train.num_positions

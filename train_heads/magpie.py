@@ -13,16 +13,18 @@ closing the turn, then answer their own question).  A drawn prompt is kept iff
 - it ended (a special token closed the turn or a turn marker was written: a cut-off
   question is not a question),
 - it has at least ``MIN_WORDS`` words and no earlier kept prompt has the same text,
-- it shares no ``NGRAM``-token run with any held-out evaluation prompt (disjoint from what
-  is measured: the count dropped for this is recorded).
+- it shares no ``NGRAM``-token run with any held-out evaluation prompt, compared uncut and
+  without the chat template (disjoint from what is measured: the count dropped for this is
+  recorded).
 
 Kept prompts are wrapped in the chat template as a user turn and answered greedily by the
 target with every position's ``h_N`` (``train_heads.generate``), like the Spec-Bench
 training questions.  Chunk ``i`` (``chunk`` prompts drawn, seeded ``seed * 1_000_003 + i``)
-is cached twice under the data folder: ``<name>-prompts_<i>.json`` (the drawn texts and why
-each was dropped) and ``<name>_<i>.safetensors`` (the answers), ``name`` carrying a hash of
-every setting that changes them, so a rerun loads, an interrupted run resumes at the next
-chunk, and more prompts (``n``) reuse the earlier chunks.
+is cached twice under the data folder: ``<name>-prompts_<i>.json`` (the drawn texts) and
+``<name>_<i>.safetensors`` (the answers), ``name`` carrying a hash of the drawing settings
+(the seed, chunk size and held-out split are in the folder's key), so a rerun loads, an
+interrupted run resumes at the next chunk, and more prompts (``n``) reuse the earlier full
+chunks.  The filter runs on every load and the answers are checked against what it keeps.
 """
 
 from __future__ import annotations
@@ -63,6 +65,19 @@ def user_prefix(tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(text.split(MARK)[0], add_special_tokens=False))
 
 
+def template_suffix_len(tokenizer: Any, prefix: list[int]) -> int:
+    """How many ids the chat template adds after a user message's content (end of turn, the
+    assistant's generation prompt): ``chat_ids`` of a one-word message minus the prefix and
+    the word."""
+    word = tokenizer.encode("hello", add_special_tokens=False)
+    return len(chat_ids(tokenizer, "hello")) - len(prefix) - len(word)
+
+
+def content_ids(ids: list[int], prefix_len: int, suffix_len: int) -> list[int]:
+    """A templated prompt's ids without the template: ``ids[prefix_len : -suffix_len]``."""
+    return ids[prefix_len : len(ids) - suffix_len]
+
+
 def ngrams(ids: list[int], n: int = NGRAM) -> set[tuple[int, ...]]:
     """Every run of ``n`` consecutive ids."""
     return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
@@ -97,15 +112,21 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
                  held_out: list[list[int]]) -> tuple[FeatureSequences, dict[str, Any]]:
     """``n`` drawn prompts (module doc) and the greedy answers of those kept, as feature
     sequences; plus counts and the seconds spent this run.  ``held_out``: the evaluation
-    prompts' ids in the chat template (the template's prefix is cut off before comparing,
-    so shared template tokens never count as overlap)."""
+    prompts' ids in the chat template, uncut (the template's prefix and suffix are cut off
+    both sides before comparing, so shared template tokens never count as overlap).
+
+    Invariants of the cache: a prompts file holds exactly the chunk's ``count`` draws (one
+    written for a smaller ``n`` is drawn again, with its answers), and an answers file
+    holds exactly the chunk's kept prompts, in order (rebuilt when the kept list changed,
+    e.g. after a change to the filter)."""
     from train_heads.generate import generate_with_hidden
 
     if n <= 0:
         return FeatureSequences.empty(lm.info.hidden_size), {}
     openers = list(openers) or [""]
     prefix = user_prefix(tokenizer)
-    held = set().union(*(ngrams(h[len(prefix):]) for h in held_out)) if held_out else set()
+    suffix = template_suffix_len(tokenizer, prefix)
+    held = set().union(*(ngrams(content_ids(h, len(prefix), suffix)) for h in held_out))
     name = magpie_name(temperature, max_prompt_tokens, max_new_tokens, openers, seed)
     stops = tuple(sorted(set(eos) | set(tokenizer.all_special_ids)))
     stats: dict[str, Any] = {"magpie_name": name, "magpie_drawn": 0, "magpie_built_s": 0.0,
@@ -116,9 +137,10 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
         count = min(chunk, n - c * chunk)
         t0 = time.perf_counter()
         ppath = directory / f"{name}-prompts_{c}.json"
-        if ppath.exists():
-            drawn = json.loads(ppath.read_text())
-        else:
+        apath = directory / f"{name}_{c}.safetensors"
+        drawn = json.loads(ppath.read_text()) if ppath.exists() else []
+        if len(drawn) != count:  # not drawn yet, or drawn for another n: a draw of count
+            apath.unlink(missing_ok=True)
             starts = [prefix + (tokenizer.encode(openers[j % len(openers)],
                                                  add_special_tokens=False)
                                 if openers[j % len(openers)] else [])
@@ -139,16 +161,19 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
         for d in drawn:
             text, ended = prompt_text(d["drawn"], d["closed"])
             ids = chat_ids(tokenizer, text) if text else []
-            why = keep_reason(ids[len(prefix):], text, ended, seen, held)
+            why = keep_reason(content_ids(ids, len(prefix), suffix), text, ended, seen, held)
             stats[f"magpie_{why}"] = stats.get(f"magpie_{why}", 0) + 1
             if why == "kept":
                 seen.add(text)
                 kept.append(ids)
         stats["magpie_drawn"] += len(drawn)
-        apath = directory / f"{name}_{c}.safetensors"
-        if apath.exists():
-            part = FeatureSequences.load(apath)
-        else:
+        part = FeatureSequences.load(apath) if apath.exists() else None
+        if part is not None and [part.seq(i)[0][: part.seq(i)[2]].tolist()
+                                 for i in range(part.num_seqs)] != kept:
+            log.info("[data] %s: the kept prompts of chunk %d changed; answering again",
+                     name, c + 1)
+            part = None
+        if part is None:
             # the kept prompts in even batches (33 kept at 32 a batch would decode one alone)
             even = -(-len(kept) // -(-len(kept) // batch_size)) if kept else batch_size
             gens = generate_with_hidden(lm, kept, [], max_new_tokens, even, eos,

@@ -184,6 +184,9 @@ def test_named_chunk_sets_train_after_the_others(feature_data):
     for bad in ("[heldout]", "[magpie3-0123abcd,magpie3-0123abcd]", "['../x']"):
         with pytest.raises(ConfigError, match=r"data.chunks=.*not a training chunk set"):
             run(_exit_cfg(tmp, "bad", "data.local=false", f"data.chunks={bad}"), loaded)
+    for dup in (["data.chunks=[train]"], ["data.specbench=3", "data.chunks=[specbench3]"]):
+        with pytest.raises(ConfigError, match=r"repeats a chunk set .* name each once"):
+            run(_exit_cfg(tmp, "dup", *dup), loaded)
     with pytest.raises(ConfigError, match=r"no feature data cache under .* has nothere_\*\."
                        r"safetensors chunks \(data.chunks names a chunk set"):
         run(_exit_cfg(tmp, "missing", "data.local=false", "data.chunks=[nothere]"), loaded)

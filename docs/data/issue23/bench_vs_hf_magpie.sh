@@ -10,7 +10,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-NEW_FT5=${MAGPIE:-outputs/train_heads/feature_sb_magpie/feature_head.safetensors} \
-vs_hf --feature-k 2 --feature-tree 2 2 --feature-trees always --min-rows 0 \
+NEW_FT5=$MAGPIE vs_hf --feature-k 2 --feature-tree 2 2 --feature-trees always --min-rows 0 \
   --only ours_ar ours_eagle_pld_rows ours_eagle_pld_tree_rows ours_feature_tree_rows hf_pld \
   --out "${OUT:-docs/data/issue23/bench_vs_hf_magpie.json}" "$@"
