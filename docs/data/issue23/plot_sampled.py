@@ -1,6 +1,8 @@
-"""Held-out agreement of the feature head against training positions seen, for the two
-in-domain runs of 2026-12-02 (the Spec-Bench training questions' greedy answers alone, and
-with three sampled answers each), from their metrics.json.  Writes sampled_vs_greedy.png.
+"""Held-out agreement of the feature head against training positions seen, for the in-domain
+runs of 2026-12-02, from their metrics.json: the Spec-Bench training questions' greedy
+answers alone, with three sampled answers each (both on the AMD EPYC), and with prompts the
+target wrote itself (train_heads/magpie.py; 512 draws; the Intel Xeon).  Writes
+sampled_vs_greedy.png.
 
     .venv/bin/python docs/data/issue23/plot_sampled.py
 """
@@ -17,6 +19,7 @@ HERE = Path(__file__).parent
 RUNS = {
     "greedy answers: 16,702 positions": "feature_sb_greedy.metrics.json",
     "+ 3 sampled answers: 68,618 positions": "feature_sb_s3.metrics.json",
+    "+ 319 self-written prompts: 67,755 positions": "feature_sb_magpie.metrics.json",
 }
 
 fig, ax = plt.subplots(figsize=(5.5, 3.4))
