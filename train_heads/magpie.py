@@ -106,6 +106,32 @@ def keep_reason(content_ids: list[int], text: str, ended: bool, seen: set[str],
     return "kept"
 
 
+def draw_prompts(lm: Any, tokenizer: Any, prefix: list[int], openers: list[str], count: int,
+                 *, temperature: float, max_prompt_tokens: int, batch_size: int,
+                 stops: tuple[int, ...], seed: int) -> list[dict[str, Any]]:
+    """``count`` draws from ``prefix + opener`` (prompt ``j`` takes ``openers[j % len]``):
+    ``{"drawn": decoded text without the closing special token, "closed": bool}`` each."""
+    from train_heads.generate import generate_with_hidden
+
+    opener_ids = [tokenizer.encode(o, add_special_tokens=False) if o else [] for o in openers]
+    starts = [prefix + opener_ids[j % len(openers)] for j in range(count)]
+    gens = generate_with_hidden(lm, starts, [], max_prompt_tokens, batch_size, stops,
+                                progress=False, temperature=temperature, seed=seed)
+    drawn = []
+    for g in gens:
+        body = g.tokens[len(prefix):]
+        closed = bool(body) and body[-1] in stops
+        drawn.append({"drawn": tokenizer.decode(body[:-1] if closed else body),
+                      "closed": closed})
+    return drawn
+
+
+def even_batch_size(n: int, batch_size: int) -> int:
+    """The batch size that splits ``n`` items into as few batches as ``batch_size`` allows,
+    all of about the same size (33 at 32 a batch: 17, not 32 + 1)."""
+    return -(-n // -(-n // batch_size)) if n else batch_size
+
+
 def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperature: float,
                  max_prompt_tokens: int, max_new_tokens: int, openers: list[str], seed: int,
                  batch_size: int, chunk: int, eos: tuple[int, ...],
@@ -141,19 +167,9 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
         drawn = json.loads(ppath.read_text()) if ppath.exists() else []
         if len(drawn) != count:  # not drawn yet, or drawn for another n: a draw of count
             apath.unlink(missing_ok=True)
-            starts = [prefix + (tokenizer.encode(openers[j % len(openers)],
-                                                 add_special_tokens=False)
-                                if openers[j % len(openers)] else [])
-                      for j in range(count)]
-            gens = generate_with_hidden(lm, starts, [], max_prompt_tokens, batch_size, stops,
-                                        progress=False, temperature=temperature,
-                                        seed=seed * 1_000_003 + c)
-            drawn = []
-            for g in gens:
-                body = g.tokens[len(prefix):]
-                closed = bool(body) and body[-1] in stops
-                drawn.append({"drawn": tokenizer.decode(body[:-1] if closed else body),
-                              "closed": closed})
+            drawn = draw_prompts(lm, tokenizer, prefix, openers, count, temperature=temperature,
+                                 max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
+                                 stops=stops, seed=seed * 1_000_003 + c)
             tmp = ppath.with_suffix(".tmp")
             tmp.write_text(json.dumps(drawn, indent=1))
             tmp.replace(ppath)
@@ -168,15 +184,14 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
                 kept.append(ids)
         stats["magpie_drawn"] += len(drawn)
         part = FeatureSequences.load(apath) if apath.exists() else None
-        if part is not None and [part.seq(i)[0][: part.seq(i)[2]].tolist()
-                                 for i in range(part.num_seqs)] != kept:
+        if part is not None and [tokens[:plen].tolist() for tokens, _, plen in
+                                 map(part.seq, range(part.num_seqs))] != kept:
             log.info("[data] %s: the kept prompts of chunk %d changed; answering again",
                      name, c + 1)
             part = None
         if part is None:
-            # the kept prompts in even batches (33 kept at 32 a batch would decode one alone)
-            even = -(-len(kept) // -(-len(kept) // batch_size)) if kept else batch_size
-            gens = generate_with_hidden(lm, kept, [], max_new_tokens, even, eos,
+            gens = generate_with_hidden(lm, kept, [], max_new_tokens,
+                                        even_batch_size(len(kept), batch_size), eos,
                                         progress=False) if kept else []
             part = (FeatureSequences.from_generated(gens, lm.info.num_layers) if gens
                     else FeatureSequences.empty(lm.info.hidden_size))
