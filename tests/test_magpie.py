@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -134,8 +136,16 @@ def test_prompts_kept_answered_and_cached(tiny_qwen, tmp_path, monkeypatch):
     name = magpie_name(1.0, 16, 5, ["", "Translate"], 3)
     assert stats["magpie_name"] == name
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"{name}-prompts_0.json", f"{name}-prompts_1.json",
+        f"{name}-prompts_0.json", f"{name}-prompts_1.json", f"{name}-prompts_8.jsonl",
         f"{name}_0.safetensors", f"{name}_1.safetensors"]
+    listing = [json.loads(line) for line in (tmp_path / f"{name}-prompts_8.jsonl").open()]
+    assert stats["magpie_prompts_file"] == str(tmp_path / f"{name}-prompts_8.jsonl")
+    assert [r["why"] for r in listing] == ["kept", "unfinished", "duplicate", "short",
+                                           "heldout_overlap", "kept", "kept", "kept"]
+    assert [(r["chunk"], r["j"]) for r in listing] == [(c, j) for c in (0, 1) for j in range(4)]
+    assert [r["prompt"] for r in listing if r["prompt"]] == [
+        "write a poem about the sea please", "Translate this sentence into german",
+        "what is a prime number", "Translate then jumps over the lazy dog today"]
 
     def refuse(*args, **kwargs):
         raise AssertionError("a rerun on the cache must not run the model")
@@ -169,8 +179,6 @@ def numbered_drawing(tok: ChatWords, calls: list[int]):
 
 def test_more_prompts_redraw_a_partial_chunk_and_stale_answers_are_rebuilt(
         tiny_qwen, tmp_path, monkeypatch):
-    import json
-
     _, lm = tiny_qwen
     tok = ChatWords()
     calls: list[int] = []
@@ -207,3 +215,80 @@ def test_bad_drawing_settings_name_the_value(tmp_path):
         with pytest.raises(ConfigError, match=match):
             self_written_data(None, ChatWords(), OmegaConf.create({**base, **bad}), 4, tmp_path,
                               None, [])
+
+
+def test_prompt_files_kept_answered_cached_and_checked(tiny_qwen, tmp_path, monkeypatch):
+    """``head.data.prompt_files``: nulls skipped; long, duplicate and held-out-overlapping
+    prompts dropped and counted; the rest answered greedily (the same tokens as the model's
+    own greedy answers), cached per file, loaded on a rerun; bad files name the line."""
+    from specflow.errors import ConfigError
+    from train_heads.generate import generate_with_hidden
+    from train_heads.prompt_files import file_chunk_name, file_prompts, read_prompt_file
+
+    _, lm = tiny_qwen
+    tok = ChatWords()
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    one.write_text("\n".join(json.dumps(r) for r in (
+        {"prompt": "write a poem about the sea please"}, {"prompt": None, "why": "short"},
+        {"prompt": f"please {HELD}"}, {"prompt": "word " * 40}, {"prompt": "what is a prime"},
+    )) + "\n\n")
+    two.write_text(json.dumps({"prompt": "what is a prime"}) + "\n"
+                   + json.dumps({"prompt": "tell me more"}) + "\n")
+    assert read_prompt_file(one)[1] is None and len(read_prompt_file(one)) == 5
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    kw = dict(max_new_tokens=4, max_prompt_tokens=30, batch_size=2, chunk=2, eos=(END,),
+              held_out=[chat_ids(tok, HELD)])
+    seqs, stats = file_prompts(lm, tok, [str(one), str(two)], cache, **kw)
+    assert {k: v for k, v in stats.items() if isinstance(v, int)} == {
+        "files_read": 6, "files_kept": 3, "files_long": 1, "files_duplicate": 1,
+        "files_heldout_overlap": 1, "files_built_positions": seqs.num_positions}
+    kept = [chat_ids(tok, t) for t in ("write a poem about the sea please", "what is a prime",
+                                       "tell me more")]
+    greedy = generate_with_hidden(lm, kept, [], 4, 3, (END,), progress=False)
+    assert [seqs.seq(i)[0].tolist() for i in range(3)] == [g.tokens for g in greedy]
+    assert [seqs.seq(i)[2] for i in range(3)] == [len(k) for k in kept]
+    names = [file_chunk_name(4, kept[:2]), file_chunk_name(4, kept[2:])]
+    assert stats["files_chunks"] == [f"{n}_*" for n in names]
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [f"{names[0]}_0.safetensors", f"{names[1]}_0.safetensors"])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rerun on the cache must not run the model")
+
+    monkeypatch.setattr(generate_mod, "generate_with_hidden", refuse)
+    again, stats2 = file_prompts(lm, tok, [str(one), str(two)], cache, **kw)
+    assert torch.equal(again.tokens, seqs.tokens) and torch.equal(again.feats, seqs.feats)
+    assert stats2["files_built_positions"] == 0 and stats2["files_kept"] == 3
+    bad = tmp_path / "bad.jsonl"
+    for text, match in (("{\"prompt\": 3}\n", "bad.jsonl line 1 has no \"prompt\" string"),
+                        ("\n[1, 2]\n", "bad.jsonl line 2 has no \"prompt\""),
+                        ("{\"text\": \"hi\"}\n", "line 1 has no \"prompt\""),
+                        ("{oops\n", "bad.jsonl line 1 is not JSON")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            file_prompts(lm, tok, [str(bad)], cache, **kw)
+    with pytest.raises(ConfigError, match="missing.jsonl is not a file"):
+        file_prompts(lm, tok, [str(tmp_path / "missing.jsonl")], cache, **kw)
+
+
+def test_a_self_written_listing_feeds_prompt_files(tiny_qwen, tmp_path, monkeypatch):
+    """The listing a magpie run writes, read back by ``prompt_files``: the same kept
+    prompts, answered with the same tokens, without drawing."""
+    from train_heads.prompt_files import file_prompts
+
+    _, lm = tiny_qwen
+    tok = ChatWords()
+    monkeypatch.setattr(generate_mod, "generate_with_hidden", scripted_drawing(tok, []))
+    held = [chat_ids(tok, HELD)]
+    seqs, stats = self_written(lm, tok, len(SCRIPT), tmp_path, temperature=1.0,
+                               max_prompt_tokens=16, max_new_tokens=5, openers=["", "Translate"],
+                               seed=3, batch_size=4, chunk=4, eos=(END,), held_out=held)
+    other = tmp_path / "other"
+    other.mkdir()
+    again, fstats = file_prompts(lm, tok, [stats["magpie_prompts_file"]], other,
+                                 max_new_tokens=5, max_prompt_tokens=64, batch_size=4, chunk=4,
+                                 eos=(END,), held_out=held)
+    assert fstats["files_read"] == fstats["files_kept"] == 4
+    assert torch.equal(again.tokens, seqs.tokens) and torch.equal(again.prompt_len,
+                                                                  seqs.prompt_len)

@@ -5,7 +5,10 @@ Phases (each timed into ``report.md`` / ``metrics.json``):
 1. data: the target answers the local-text training prompts and the held-out Spec-Bench
    questions greedily, keeping ``h_N`` (``train_heads.feature_data``; chunked cache: a rerun
    loads it, an interrupted run resumes); with ``head.data.specbench_train``, also the
-   Spec-Bench dev questions that are not held out, added to the training sequences;
+   Spec-Bench dev questions that are not held out, added to the training sequences; with
+   ``head.data.magpie_prompts`` prompts the target writes itself (``train_heads.magpie``),
+   with ``head.data.prompt_files`` prompts read from JSONL files
+   (``train_heads.prompt_files``), each answered greedily;
 2. draft vocabulary: the most frequent tokens of the training sequences;
 3. evaluate the untrained head (initialised from the target's last layer) on the held-out
    answers: agreement with the target's greedy tokens, KL, simulated τ at ``eval_k``;
@@ -45,6 +48,7 @@ from train_heads.feature_data import (
 )
 from train_heads.local_prompts import local_prompts
 from train_heads.magpie import self_written
+from train_heads.prompt_files import file_prompts
 from train_heads.prompts import Prompt, chat_ids, shared_prefix, specbench_split
 
 log = logging.getLogger("train_heads")
@@ -55,7 +59,7 @@ DATA_VERSION = 1
 KEY_EXCLUDED = ("num_prompts", "specbench_train", "specbench_max_new_tokens",
                 "specbench_samples", "specbench_temperature", "magpie_prompts",
                 "magpie_temperature", "magpie_max_prompt_tokens", "magpie_max_new_tokens",
-                "magpie_openers")
+                "magpie_openers", "prompt_files", "prompt_files_max_new_tokens")
 
 
 def sampled_chunk_name(max_new_tokens: int, temperature: float, draw: int) -> str:
@@ -243,13 +247,18 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     num_prompts = int(hc.data.num_prompts)
     use_specbench = bool(hc.data.get("specbench_train", False))
     magpie_n = int(hc.data.get("magpie_prompts", 0))
+    files = hc.data.get("prompt_files") or []
+    if isinstance(files, str):
+        raise ConfigError(f"head.data.prompt_files={files!r}: use a list of JSONL paths, e.g. "
+                          f"'[{files}]'")
+    files = [str(f) for f in files]
     if magpie_n < 0:
         raise ConfigError(f"head.data.magpie_prompts={magpie_n}: use 0 (none) or the number "
                           "of prompts the target writes itself")
-    if num_prompts <= 0 and not use_specbench and magpie_n == 0:
+    if num_prompts <= 0 and not use_specbench and magpie_n == 0 and not files:
         raise ConfigError("head.data.num_prompts=0 leaves nothing to train on; set "
-                          "head.data.specbench_train=true, head.data.magpie_prompts > 0 or "
-                          "num_prompts > 0")
+                          "head.data.specbench_train=true, head.data.magpie_prompts > 0, "
+                          "head.data.prompt_files or num_prompts > 0")
     train_prompts = local_prompts(num_prompts, seed=int(hc.data.seed)) if num_prompts > 0 else []
     train_ids = [ids for ids in (chat_ids(tok, p.content) for p in train_prompts)
                  if len(ids) <= int(hc.data.max_prompt_tokens)]
@@ -284,22 +293,33 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     sampled, t_drawn = drawn_answers(lm, [p.ids for p in sb_train], directory, sb_new,
                                      samples, temp, int(hc.data.gen_batch_size),
                                      int(hc.data.chunk), info.eos_token_ids)
+    held_uncut = held_out_uncut(tok, hc.data) if magpie_n or files else []
     magpie, t_magpie = self_written_data(lm, tok, hc.data, magpie_n, directory, info,
-                                         held_out_uncut(tok, hc.data) if magpie_n else [])
-    train = FeatureSequences.concat([local, sb, sampled, magpie])
+                                         held_uncut)
+    if t_magpie.get("magpie_prompts_file"):  # the kept prompts, for head.data.prompt_files
+        shutil.copyfile(t_magpie["magpie_prompts_file"], out_dir / "self_written_prompts.jsonl")
+    from_files, t_files = file_prompts(
+        lm, tok, files, directory,
+        max_new_tokens=int(hc.data.get("prompt_files_max_new_tokens", 192)),
+        max_prompt_tokens=int(hc.data.max_prompt_tokens),
+        batch_size=int(hc.data.gen_batch_size), chunk=int(hc.data.chunk),
+        eos=info.eos_token_ids, held_out=held_uncut)
+    train = FeatureSequences.concat([local, sb, sampled, magpie, from_files])
     if train.num_seqs == 0:
         raise ConfigError("no training sequences (every local prompt is longer than "
                           "head.data.max_prompt_tokens, no Spec-Bench question to train on, "
-                          "and no self-written prompt kept: see the magpie_* counts)")
+                          "and no self-written or file prompt kept: see the magpie_* and "
+                          "files_* counts)")
     times["data_s"] = time.perf_counter() - t0
     skip = shared_prefix(held)
     n_train_rows = train.num_positions
     log.info("data: %d training sequences, %d positions (local text %d / %d, Spec-Bench %d / "
-             "%d, sampled %d / %d, self-written %d / %d); %d held-out (%d positions); %s",
+             "%d, sampled %d / %d, self-written %d / %d, from files %d / %d); %d held-out "
+             "(%d positions); %s",
              train.num_seqs, n_train_rows, local.num_seqs, local.num_positions, sb.num_seqs,
              sb.num_positions, sampled.num_seqs, sampled.num_positions, magpie.num_seqs,
-             magpie.num_positions, val.num_seqs, val.num_positions,
-             {**t_train, **t_val, **t_sb, **t_drawn, **t_magpie})
+             magpie.num_positions, from_files.num_seqs, from_files.num_positions, val.num_seqs,
+             val.num_positions, {**t_train, **t_val, **t_sb, **t_drawn, **t_magpie, **t_files})
     # ---------------------------------------------------------------- 2. vocabulary
     # (of the combined training set; with init_from, the saved head's is kept)
     vocab_ids, vocab_info = draft_vocabulary(train, int(hc.vocab_size), info.vocab_size,
@@ -352,13 +372,14 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
             f"{hc.data.eval_prompt_tokens} tokens, {sb_new}-token answers)"] if sb_train else [])
         + ([f"{magpie.num_seqs} prompts the target wrote itself (train_heads.magpie)"]
            if magpie_n else [])
+        + ([f"{from_files.num_seqs} prompts from {', '.join(files)}"] if files else [])
     ) + ", answered greedily by the target" + (
         f"; {samples} more answers of each Spec-Bench question drawn at temperature {temp:g}"
         if samples else "")
     result = {
         "model": info.name, "weights_fingerprint": info.weights_fingerprint,
         "head": OmegaConf.to_container(hc, resolve=True), "before": before, "after": after,
-        "times_s": times, "data": {**t_train, **t_val, **t_sb, **t_drawn, **t_magpie,
+        "times_s": times, "data": {**t_train, **t_val, **t_sb, **t_drawn, **t_magpie, **t_files,
                                    "cache": str(directory),
                                    "train_sequences": train.num_seqs,
                                    "train_positions": n_train_rows,
@@ -374,6 +395,8 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
                                    "specbench_chunks": f"{sb_name}_*" if sb_train else None,
                                    "train_magpie_sequences": magpie.num_seqs,
                                    "train_magpie_positions": magpie.num_positions,
+                                   "train_files_sequences": from_files.num_seqs,
+                                   "train_files_positions": from_files.num_positions,
                                    "heldout_sequences": val.num_seqs,
                                    "heldout_positions": val.num_positions,
                                    "source": source},

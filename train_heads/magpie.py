@@ -25,6 +25,10 @@ is cached twice under the data folder: ``<name>-prompts_<i>.json`` (the drawn te
 (the seed, chunk size and held-out split are in the folder's key), so a rerun loads, an
 interrupted run resumes at the next chunk, and more prompts (``n``) reuse the earlier full
 chunks.  The filter runs on every load and the answers are checked against what it keeps.
+Every draw, its fate and the kept text are listed in ``<name>-prompts_<n>.jsonl``
+(``"prompt"`` null where dropped): the file ``head.data.prompt_files``
+(``train_heads.prompt_files``) reads, so the same prompts can be answered on another
+machine without drawing them again.
 """
 
 from __future__ import annotations
@@ -158,7 +162,7 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
     stats: dict[str, Any] = {"magpie_name": name, "magpie_drawn": 0, "magpie_built_s": 0.0,
                              "magpie_built_positions": 0}
     seen: set[str] = set()
-    parts = []
+    parts, records = [], []
     for c in range((n + chunk - 1) // chunk):
         count = min(chunk, n - c * chunk)
         t0 = time.perf_counter()
@@ -174,11 +178,13 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
             tmp.write_text(json.dumps(drawn, indent=1))
             tmp.replace(ppath)
         kept = []
-        for d in drawn:
+        for j, d in enumerate(drawn):
             text, ended = prompt_text(d["drawn"], d["closed"])
             ids = chat_ids(tokenizer, text) if text else []
             why = keep_reason(content_ids(ids, len(prefix), suffix), text, ended, seen, held)
             stats[f"magpie_{why}"] = stats.get(f"magpie_{why}", 0) + 1
+            records.append({"chunk": c, "j": j, "why": why,
+                            "prompt": text if why == "kept" else None, "drawn": d["drawn"]})
             if why == "kept":
                 seen.add(text)
                 kept.append(ids)
@@ -202,4 +208,7 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
             log.info("[data] %s chunk %d: %d of %d drawn prompts kept, %d answer positions "
                      "in %.0f s", name, c + 1, len(kept), len(drawn), part.num_positions, spent)
         parts.append(part)
+    listing = directory / f"{name}-prompts_{n}.jsonl"
+    listing.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stats["magpie_prompts_file"] = str(listing)
     return FeatureSequences.concat(parts), stats

@@ -179,3 +179,39 @@ def test_local_and_specbench_sequences_are_combined_and_the_folder_is_shared(tmp
     assert d2["train_sequences"] == 4 and d2["train_specbench_sequences"] == 0
     assert d2["train_positions"] == data["train_local_positions"]
     assert res2["train_specbench_ids"] == [] and d2["specbench_chunks"] is None
+
+
+def test_prompt_files_train_beside_the_specbench_questions(tmp_path):
+    """``head.data.prompt_files``: the kept prompts of a JSONL file are answered, trained on
+    with the Spec-Bench questions, counted in the metrics; the data folder is unchanged, a
+    rerun loads them; a prompt sharing 8 tokens with a held-out question is dropped."""
+    from train_heads.prompt_files import template_bounds
+    from train_heads.train import run
+
+    loaded = _tiny()
+    assert template_bounds(loaded.tokenizer) == (6, 2)
+    tok = ChatCharTokenizer()
+    _, held = specbench_split(tok, 0, 6, 5)
+    # the text whose ids are 12 content ids of a held-out question (encode's inverse)
+    overlapping = "Tell me: " + "".join(chr(i - 1 if i > 32 else i + 119)
+                                        for i in held[0].ids[6:18])
+    assert tok.encode(overlapping)[9:] == held[0].ids[6:18]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (
+        "Qqq zzz xxx jjj!", None, overlapping, "Kkk vvv www?")))
+    files = f"head.data.prompt_files=[{prompts}]"
+    res = run(_compose(tmp_path, files), loaded)
+    data = res["data"]
+    assert (data["files_read"], data["files_kept"], data["files_heldout_overlap"]) == (3, 2, 1)
+    assert data["train_files_sequences"] == 2
+    assert data["train_sequences"] == 102 and data["train_positions"] == (
+        data["train_specbench_positions"] + data["train_files_positions"])
+    assert data["files_built_positions"] == data["train_files_positions"] > 0
+    assert f"2 prompts from {prompts}" in data["source"]
+    base = run(_compose(tmp_path), loaded)["data"]
+    assert base["cache"] == data["cache"] and base["train_files_sequences"] == 0
+    again = run(_compose(tmp_path, files), loaded)["data"]
+    assert again["files_built_positions"] == 0
+    assert again["train_files_positions"] == data["train_files_positions"]
+    with pytest.raises(ConfigError, match="prompt_files='x.jsonl': use a list"):
+        run(_compose(tmp_path, "head.data.prompt_files=x.jsonl"), loaded)
