@@ -313,8 +313,7 @@ def run(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         from specflow.models.loading import load_model
 
         loaded = load_model(cfg.model.name, dtype=cfg.model.dtype, backend="native",
-                            trust_remote_code=False,
-                            packed_weights=cfg.model.get("packed_weights"))
+                            trust_remote_code=False, packed_weights=None)
     times["load_model_s"] = time.perf_counter() - t0
     lm, info = loaded.lm, loaded.info
     if not hasattr(lm, "lm_head"):
