@@ -292,3 +292,9 @@ def test_a_self_written_listing_feeds_prompt_files(tiny_qwen, tmp_path, monkeypa
     assert fstats["files_read"] == fstats["files_kept"] == 4
     assert torch.equal(again.tokens, seqs.tokens) and torch.equal(again.prompt_len,
                                                                   seqs.prompt_len)
+    # read beside the run that wrote it: every prompt is a duplicate of a self-written one
+    _, dup = file_prompts(lm, tok, [stats["magpie_prompts_file"]], other, max_new_tokens=5,
+                          max_prompt_tokens=64, batch_size=4, chunk=4, eos=(END,),
+                          held_out=held, trained=frozenset(
+                              ["write a poem about the sea please", "what is a prime number"]))
+    assert (dup["files_kept"], dup["files_duplicate"]) == (2, 2)

@@ -48,7 +48,7 @@ from train_heads.feature_data import (
 )
 from train_heads.local_prompts import local_prompts
 from train_heads.magpie import self_written
-from train_heads.prompt_files import file_prompts
+from train_heads.prompt_files import file_prompts, read_prompt_file
 from train_heads.prompts import Prompt, chat_ids, shared_prefix, specbench_split
 
 log = logging.getLogger("train_heads")
@@ -298,12 +298,15 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
                                          held_uncut)
     if t_magpie.get("magpie_prompts_file"):  # the kept prompts, for head.data.prompt_files
         shutil.copyfile(t_magpie["magpie_prompts_file"], out_dir / "self_written_prompts.jsonl")
+    listing = t_magpie.get("magpie_prompts_file")
     from_files, t_files = file_prompts(
         lm, tok, files, directory,
         max_new_tokens=int(hc.data.get("prompt_files_max_new_tokens", 192)),
         max_prompt_tokens=int(hc.data.max_prompt_tokens),
         batch_size=int(hc.data.gen_batch_size), chunk=int(hc.data.chunk),
-        eos=info.eos_token_ids, held_out=held_uncut)
+        eos=info.eos_token_ids, held_out=held_uncut,
+        trained=frozenset(p for p in read_prompt_file(Path(listing)) if p) if listing
+        else frozenset())
     train = FeatureSequences.concat([local, sb, sampled, magpie, from_files])
     if train.num_seqs == 0:
         raise ConfigError("no training sequences (every local prompt is longer than "

@@ -7,7 +7,8 @@ back as they are, on any machine, without drawing them again, and so can any pro
 user brings.  A prompt is kept iff, in the chat template (``chat_ids``),
 
 - it fits ``max_prompt_tokens`` (``long`` otherwise),
-- no earlier prompt of these files has the same text (``duplicate``),
+- no earlier prompt of these files, nor a self-written prompt of the same run, has the
+  same text (``duplicate``),
 - it shares no ``NGRAM``-token run with a held-out evaluation prompt, both compared without
   the template (``heldout_overlap``; the same check as the self-written prompts).
 
@@ -72,11 +73,13 @@ def file_chunk_name(max_new_tokens: int, kept: list[list[int]]) -> str:
 
 def file_prompts(lm: Any, tokenizer: Any, files: list[str], directory: Path, *,
                  max_new_tokens: int, max_prompt_tokens: int, batch_size: int, chunk: int,
-                 eos: tuple[int, ...], held_out: list[list[int]]
+                 eos: tuple[int, ...], held_out: list[list[int]],
+                 trained: frozenset[str] = frozenset()
                  ) -> tuple[FeatureSequences, dict[str, Any]]:
     """The kept prompts of ``files`` (module doc) and their greedy answers, as feature
     sequences; plus the counts per reason and the seconds and positions built this run.
-    ``held_out``: the evaluation prompts' ids in the chat template, uncut."""
+    ``held_out``: the evaluation prompts' ids in the chat template, uncut; ``trained``: texts
+    the run already trains on (its self-written prompts), dropped as duplicates."""
     if not files:
         return FeatureSequences.empty(lm.info.hidden_size), {}
     prefix_len, suffix_len = template_bounds(tokenizer)
@@ -84,7 +87,7 @@ def file_prompts(lm: Any, tokenizer: Any, files: list[str], directory: Path, *,
     stats: dict[str, Any] = {"files_read": 0, "files_kept": 0, "files_long": 0,
                              "files_duplicate": 0, "files_heldout_overlap": 0,
                              "files_built_s": 0.0, "files_built_positions": 0, "files_chunks": []}
-    seen: set[str] = set()
+    seen: set[str] = set(trained)
     parts = []
     for file in files:
         kept: list[list[int]] = []
