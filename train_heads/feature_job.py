@@ -296,16 +296,16 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     held_uncut = held_out_uncut(tok, hc.data) if magpie_n or files else []
     magpie, t_magpie = self_written_data(lm, tok, hc.data, magpie_n, directory, info,
                                          held_uncut)
-    if t_magpie.get("magpie_prompts_file"):  # the kept prompts, for head.data.prompt_files
-        shutil.copyfile(t_magpie["magpie_prompts_file"], out_dir / "self_written_prompts.jsonl")
-    listing = t_magpie.get("magpie_prompts_file")
+    listing = t_magpie.get("magpie_prompts_file")  # the kept prompts, a prompt_files file
+    if listing:
+        shutil.copyfile(listing, out_dir / "self_written_prompts.jsonl")
     from_files, t_files = file_prompts(
         lm, tok, files, directory,
         max_new_tokens=int(hc.data.get("prompt_files_max_new_tokens", 192)),
         max_prompt_tokens=int(hc.data.max_prompt_tokens),
         batch_size=int(hc.data.gen_batch_size), chunk=int(hc.data.chunk),
         eos=info.eos_token_ids, held_out=held_uncut,
-        trained=frozenset(p for p in read_prompt_file(Path(listing)) if p) if listing
+        trained=frozenset(filter(None, read_prompt_file(Path(listing)))) if listing
         else frozenset())
     train = FeatureSequences.concat([local, sb, sampled, magpie, from_files])
     if train.num_seqs == 0:

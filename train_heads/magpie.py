@@ -69,12 +69,15 @@ def user_prefix(tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(text.split(MARK)[0], add_special_tokens=False))
 
 
-def template_suffix_len(tokenizer: Any, prefix: list[int]) -> int:
-    """How many ids the chat template adds after a user message's content (end of turn, the
-    assistant's generation prompt): ``chat_ids`` of a one-word message minus the prefix and
-    the word."""
-    word = tokenizer.encode("hello", add_special_tokens=False)
-    return len(chat_ids(tokenizer, "hello")) - len(prefix) - len(word)
+def template_bounds(tokenizer: Any) -> tuple[int, int]:
+    """``(prefix_len, suffix_len)``: how many ids the chat template puts before and after a
+    user message's content (``chat_ids``), read off two one-word messages (their common head
+    and tail), so any tokenizer with a chat template works, whether or not it renders text."""
+    a, b = chat_ids(tokenizer, "hello"), chat_ids(tokenizer, "world")
+    n = min(len(a), len(b))
+    head = next((i for i in range(n) if a[i] != b[i]), n)
+    tail = next((i for i in range(n) if a[-1 - i] != b[-1 - i]), n)
+    return head, min(tail, n - head)
 
 
 def content_ids(ids: list[int], prefix_len: int, suffix_len: int) -> list[int]:
@@ -85,6 +88,13 @@ def content_ids(ids: list[int], prefix_len: int, suffix_len: int) -> list[int]:
 def ngrams(ids: list[int], n: int = NGRAM) -> set[tuple[int, ...]]:
     """Every run of ``n`` consecutive ids."""
     return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
+
+
+def held_out_ngrams(held_out: list[list[int]], bounds: tuple[int, int]
+                    ) -> set[tuple[int, ...]]:
+    """Every ``NGRAM``-run of the held-out prompts' content (``held_out``: ids in the chat
+    template, uncut; ``bounds``: ``template_bounds``): what a training prompt must not share."""
+    return set().union(*(ngrams(content_ids(h, *bounds)) for h in held_out))
 
 
 def magpie_name(temperature: float, max_prompt_tokens: int, max_new_tokens: int,
@@ -155,8 +165,8 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
         return FeatureSequences.empty(lm.info.hidden_size), {}
     openers = list(openers) or [""]
     prefix = user_prefix(tokenizer)
-    suffix = template_suffix_len(tokenizer, prefix)
-    held = set().union(*(ngrams(content_ids(h, len(prefix), suffix)) for h in held_out))
+    bounds = template_bounds(tokenizer)
+    held = held_out_ngrams(held_out, bounds)
     name = magpie_name(temperature, max_prompt_tokens, max_new_tokens, openers, seed)
     stops = tuple(sorted(set(eos) | set(tokenizer.all_special_ids)))
     stats: dict[str, Any] = {"magpie_name": name, "magpie_drawn": 0, "magpie_built_s": 0.0,
@@ -181,7 +191,7 @@ def self_written(lm: Any, tokenizer: Any, n: int, directory: Path, *, temperatur
         for j, d in enumerate(drawn):
             text, ended = prompt_text(d["drawn"], d["closed"])
             ids = chat_ids(tokenizer, text) if text else []
-            why = keep_reason(content_ids(ids, len(prefix), suffix), text, ended, seen, held)
+            why = keep_reason(content_ids(ids, *bounds), text, ended, seen, held)
             stats[f"magpie_{why}"] = stats.get(f"magpie_{why}", 0) + 1
             records.append({"chunk": c, "j": j, "why": why,
                             "prompt": text if why == "kept" else None, "drawn": d["drawn"]})

@@ -27,7 +27,7 @@ from typing import Any
 
 from specflow.errors import ConfigError
 from train_heads.feature_data import FeatureSequences, data_key, generate_chunked
-from train_heads.magpie import NGRAM, content_ids, ngrams
+from train_heads.magpie import content_ids, held_out_ngrams, ngrams, template_bounds
 from train_heads.prompts import chat_ids
 
 
@@ -55,17 +55,6 @@ def read_prompt_file(path: Path) -> list[str | None]:
     return prompts
 
 
-def template_bounds(tokenizer: Any) -> tuple[int, int]:
-    """``(prefix_len, suffix_len)``: how many ids the chat template puts before and after a
-    user message's content, read off two one-word messages (their common head and tail),
-    so any tokenizer with a chat template works, whether or not it renders text."""
-    a, b = chat_ids(tokenizer, "hello"), chat_ids(tokenizer, "world")
-    n = min(len(a), len(b))
-    head = next((i for i in range(n) if a[i] != b[i]), n)
-    tail = next((i for i in range(n) if a[-1 - i] != b[-1 - i]), n)
-    return head, min(tail, n - head)
-
-
 def file_chunk_name(max_new_tokens: int, kept: list[list[int]]) -> str:
     """The chunks' name: ``file<max_new_tokens>-<hash of the kept prompts' ids>``."""
     return f"file{max_new_tokens}-{data_key({'ids': kept})[:8]}"
@@ -82,8 +71,8 @@ def file_prompts(lm: Any, tokenizer: Any, files: list[str], directory: Path, *,
     the run already trains on (its self-written prompts), dropped as duplicates."""
     if not files:
         return FeatureSequences.empty(lm.info.hidden_size), {}
-    prefix_len, suffix_len = template_bounds(tokenizer)
-    held = set().union(*(ngrams(content_ids(h, prefix_len, suffix_len)) for h in held_out))
+    bounds = template_bounds(tokenizer)
+    held = held_out_ngrams(held_out, bounds)
     stats: dict[str, Any] = {"files_read": 0, "files_kept": 0, "files_long": 0,
                              "files_duplicate": 0, "files_heldout_overlap": 0,
                              "files_built_s": 0.0, "files_built_positions": 0, "files_chunks": []}
@@ -100,7 +89,7 @@ def file_prompts(lm: Any, tokenizer: Any, files: list[str], directory: Path, *,
                 why = "long"
             elif text in seen:
                 why = "duplicate"
-            elif ngrams(content_ids(ids, prefix_len, suffix_len), NGRAM) & held:
+            elif ngrams(content_ids(ids, *bounds)) & held:
                 why = "heldout_overlap"
             else:
                 why = "kept"
