@@ -2,9 +2,10 @@
 Qwen2.5-Coder-1.5B, from committed metrics only.  In-domain data: the 100 non-held-out
 Spec-Bench questions' greedy answers (14,302 rows after the shared prefix; mlp heads, 2
 epochs) and those + the answers to 760 prompts the target wrote itself (115,105 rows; mlp
-heads of exits 4 and 7, 1 epoch; 2026-12-02, seventh session).  For reference the exit-7 mlp
-head on local text (1 epoch) and the feature head (3 epochs; its x is positions, prompt rows
-included).  Writes exits_vs_data.png next to this file.
+heads of exits 4 and 7 and the attention adapter of exit 4, 1 epoch each; 2026-12-02,
+seventh session).  For reference the exit-7 mlp head on local text (1 epoch) and the feature
+head (3 epochs; its x is positions, prompt rows included).  Writes exits_vs_data.png next
+to this file.
 
     .venv/bin/python docs/data/issue24/plot_exits_vs_data.py
 """
@@ -39,6 +40,8 @@ for exit_layer, color in ((4, "tab:blue"), (7, "tab:green")):
         color=color,
         label=f"exit {exit_layer}, mlp, in-domain",
     )
+adapter = exit_point("adapter4_magpie.metrics.json", 4)
+ax.plot([adapter[0]], [adapter[1]], "D", color="tab:blue", label="exit 4, attention adapter")
 local = json.loads((HERE / "exit7_vs_positions.json").read_text())
 ax.plot(
     [r["train_rows"] for r in local],
