@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# #24 on ten times the in-domain data (2026-12-02, seventh session): the exit heads of exits 4
+# #24 on eight times the in-domain data (2026-12-02, seventh session): the exit heads of exits 4
 # and 7 trained on the feature head's 135,745 cached positions (Spec-Bench training answers +
-# 760 self-written prompts answered by the target; train_heads/README.md, "Exit heads on ten
+# 760 self-written prompts answered by the target; train_heads/README.md, "Exit heads on eight
 # times the in-domain data"), and the feature head of §19 (42.2 %). Side by side with plain
 # decoding in ONE process, interleaved request by request (scripts/bench_interleaved.py):
 # self_spec and hispec as their configs say (exit 4; 4 -> 7), MetaSD's five-arm pool with the
