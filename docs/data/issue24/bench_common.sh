@@ -29,6 +29,9 @@ bench() {
   shift 3
   $PY scripts/bench_interleaved.py --out "$out" --common "$(common "$ids" "$tokens")" "$@"
 }
+# MetaSD's cost-aware reward and warm start (conf/experiment/metasd_rate.yaml's settings), for
+# pools composed from another experiment (metasd_feature): +experiment=metasd_feature $RATE
+RATE="drafter.reward=rate drafter.rate_scale=3.0 selector.c=0.3 selector.prior=6"
 # plain decoding (the reference) and MetaSD's arms alone, every model in fp32 (the 0.5B
 # too: sps would take bf16 on a CPU with native bf16)
 ARMS_FP32=(

@@ -10,7 +10,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-RATE="drafter.reward=rate drafter.rate_scale=3.0 selector.c=0.3 selector.prior=6"
 bench "${OUT:-outputs/issue24/metasd_eagle}" "$TABLE_IDS" 128 \
   --method plain "+experiment=ar" \
   --method pld "+experiment=pld" \

@@ -14,7 +14,6 @@ cd "$(dirname "$0")/../../.."
 HEADS=${HEADS:-outputs/train_heads/mlp47_magpie/heads.safetensors}
 source docs/data/issue24/bench_common.sh
 HEAD=${HEAD:-outputs/train_heads/feature_magpie2/feature_head.safetensors}
-RATE="drafter.reward=rate drafter.rate_scale=3.0 selector.c=0.3 selector.prior=6"
 bench "${OUT:-outputs/issue24/table_s7}" "$TABLE_IDS" 128 \
   --method plain "+experiment=ar" \
   --method pld "+experiment=pld" \
