@@ -333,10 +333,11 @@ class SpeculativePipeline:
 
 
 def check_exit_order(drafter: Drafter, intermediate: IntermediateVerifier) -> None:
-    """A drafter on the intermediate verifier's model must exit below it (L_d < L_i)."""
+    """A drafter that runs the intermediate verifier's model must exit below it (L_d < L_i);
+    one that only reads the model's features (``ModelUse.reads_only``) may read any exit."""
     for mine in intermediate.uses():
         for use in drafter.uses():
-            if use.lm is mine.lm and use.exit_layer >= mine.exit_layer:
+            if use.lm is mine.lm and not use.reads_only and use.exit_layer >= mine.exit_layer:
                 raise ConfigError(
                     f"drafter.exit_layer={use.exit_layer} must be below "
                     f"intermediate_verifier.exit_layer={mine.exit_layer}: the intermediate "

@@ -29,11 +29,16 @@ class ModelUse:
     """A model a stage runs and the exit it reads (its session's deepest layer needed).
 
     Used to place models, size KV pools, bring an idle drafter's session up to date, and
-    check exit orders (HiSpec: the drafter exits below the intermediate verifier).
+    check exit orders (HiSpec: a drafter that runs the model's layers exits below the
+    intermediate verifier, which continues from them).  ``reads_only``: the stage runs none
+    of the model's decoder layers on its drafts, it reads what the model's own verifier
+    computed at ``exit_layer`` for committed positions (a feature drafter reads ``h_N``), so
+    no exit order applies to it.
     """
 
     lm: LayeredLM
     exit_layer: int
+    reads_only: bool = False
 
 
 @runtime_checkable

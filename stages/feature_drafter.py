@@ -25,10 +25,25 @@ tree; ``min_confidence`` stops chains only.  By default (``trees=free_rows``) a 
 drafts trees only where they add no verify rows the target's row padding does not pay for
 anyway (batch 1 at the probed row count); the rows counted are this drafter's requests'
 (in a fallback, requests another drafter drafts for in the same round are not counted).
+
+**Provisional tokens** (HiSpec: ``drafter=feature`` under an ``intermediate_verifier``).  An
+intermediate verifier at exit L_i accepts the head's drafts provisionally and asks for more
+before the target runs, so the committed tokens can end in positions whose ``h_N`` the target
+has not computed yet.  The head then reads its own predicted features there, as its chain
+did: a chain's rows stay in its cache after the round (``HeadRows``), the rows whose tokens
+were committed are kept, and the positions after them (the verifier's correction, or the
+token after a fully accepted chain) get rows one at a time, each reading the previous row's
+output.  As soon as the target has computed ``h_N`` of a position, the head's rows from
+there on are recomputed from the target's features (every round of a pipeline without an
+intermediate verifier: then nothing changes against a chain that is cut back each round).
+The drafter runs none of the target's layers itself (``ModelUse.reads_only``): the
+intermediate verifier computes layers ``< L_i`` of the drafts, the target continues from
+there.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +63,49 @@ from specflow.models.resolve import as_layered_lm
 from specflow.protocols import ModelUse
 from specflow.sampling import choose
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
+
+
+@dataclass
+class HeadRows:
+    """A request's rows of the head's cache (module doc, "Provisional tokens").
+
+    Row ``p`` reads the feature of position ``p`` and token ``t_{p+1}`` and outputs ``f^_{p+1}``.
+    Rows ``[0, true_rows)`` read the target's features ``h_N``; the rows ``[true_rows,
+    kv.length)`` read the head's own predicted features, row ``true_rows + j`` having read
+    token ``read[j]``.  ``outputs[j]`` is the output of row ``true_rows - 1 + j``: the
+    predicted feature ``f^`` of position ``true_rows + j`` (``[H]``).
+
+    Invariants: ``kv.length == true_rows + len(read)``; once any row exists,
+    ``len(outputs) == len(read) + 1``.
+    """
+
+    kv: KVCache
+    true_rows: int = 0
+    read: list[int] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+    def drop_predicted(self) -> None:
+        """Forget every row that read a predicted feature, and the outputs."""
+        self.kv.truncate(self.true_rows)
+        self.read.clear()
+        self.outputs.clear()
+
+    def keep_committed(self, tokens: list[int]) -> None:
+        """Keep the predicted rows whose tokens ``tokens`` (the committed sequence) holds:
+        row ``p`` stays iff every predicted row up to it read ``t_{q+1}`` (q <= p) and
+        ``p < len(tokens) - 1`` (the last committed token's row is the next draft's)."""
+        end, m = len(tokens) - 1, 0
+        while (m < len(self.read) and self.true_rows + m < end
+               and self.read[m] == tokens[self.true_rows + m + 1]):
+            m += 1
+        self.kv.truncate(self.true_rows + m)
+        del self.read[m:]
+        del self.outputs[m + 1 :]
+
+    def add(self, token: int, output: torch.Tensor) -> None:
+        """Record a row that read a predicted feature and ``token``, with its ``output [H]``."""
+        self.read.append(token)
+        self.outputs.append(output)
 
 
 class FeatureDrafter:
@@ -104,13 +162,13 @@ class FeatureDrafter:
         self.k = k
         self.min_confidence = min_confidence
         self._draft_models: dict[int, FeatureDraftModel] = {}  # by id(placed target)
-        self._kv: RequestLocal[KVCache] = RequestLocal(self._new_cache)
+        self._rows: RequestLocal[HeadRows] = RequestLocal(self._new_rows)
 
     def models(self) -> list[ModelInfo]:
         return [self.lm.info]
 
     def uses(self) -> list[ModelUse]:
-        return [ModelUse(self.lm, self.lm.info.num_layers)]
+        return [ModelUse(self.lm, self.lm.info.num_layers, reads_only=True)]
 
     def _draft_model(self, state: DecodeState) -> FeatureDraftModel:
         placed = state.session(self.lm).model  # the target as placed for this run
@@ -119,14 +177,14 @@ class FeatureDrafter:
             dm = self._draft_models[id(placed)] = FeatureDraftModel(self.head, placed)
         return dm
 
-    def _new_cache(self, state: DecodeState) -> KVCache:
-        return KVCache(self._draft_model(state).kv, state.max_len)
+    def _new_rows(self, state: DecodeState) -> HeadRows:
+        return HeadRows(KVCache(self._draft_model(state).kv, state.max_len))
 
     def begin(self, states: list[DecodeState]) -> None:
         """Keep the target's features from position 0 on; a fresh head cache per request."""
         for st in states:
             st.session(self.lm).retain_final_from(0)
-            self._kv.set(st, self._new_cache(st))
+            self._rows.set(st, self._new_rows(st))
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in states]
@@ -134,28 +192,61 @@ class FeatureDrafter:
         if not todo:
             return drafts
         dm = self._draft_model(states[todo[0]])
-        caches = {i: self._kv.get(states[i]) for i in todo}
-        # Step 0: each request's committed positions the head has not seen, with the
-        # target's features (its first call: the whole prompt).
-        feats, ids, batch, catchup = [], [], [], []
-        for i in todo:
-            st, kv = states[i], caches[i]
+        heads = {i: self._rows.get(states[i]) for i in todo}
+        caches = {i: heads[i].kv for i in todo}
+        # Step 0: each request's committed positions the head has not seen.  Those with the
+        # target's features first (its first call: the whole prompt), in one forward; then,
+        # after provisionally accepted tokens (HiSpec), those the target has not verified,
+        # one row per request and forward, each reading the previous row's output.
+        feats, ids, batch, firsts, pending, catchup = [], [], [], [], {}, []
+        last = self.lm.info.num_layers - 1
+        for i in list(todo):
+            st, rows = states[i], heads[i]
             sess = st.session(self.lm)
-            start, end = kv.length, len(st.tokens) - 1
+            end = len(st.tokens) - 1
+            before = rows.kv.length
             # Sync to the committed tokens: drops a rejected chain, keeps a verified tree's
             # accepted path in place (its features are read below).
             sess.set_tokens(st.tokens)
-            feats.append(sess.final_features(start, end))
-            ids += st.tokens[start + 1 : end + 1]
-            batch.append((kv, end - start))
-            catchup.append(end - start > asked[i] + 1)
+            if not rows.outputs and sess.computed(last) == 0:
+                # The target has not run yet (HiSpec: a one-token prompt's first tokens come
+                # from the intermediate verifier alone): no feature to draft from.
+                todo.remove(i)
+                continue
+            verified = min(end, sess.final_end())
+            if verified > rows.true_rows or not rows.outputs:
+                # The target's features replace the head's own (none kept at all: the
+                # error of ``final_features`` names what is missing).
+                upto = verified if verified > rows.true_rows else end
+                rows.drop_predicted()
+                feats.append(sess.final_features(rows.true_rows, upto))
+                ids += st.tokens[rows.true_rows + 1 : upto + 1]
+                batch.append((rows.kv, upto - rows.true_rows))
+                firsts.append(i)
+                rows.true_rows = upto
+            else:
+                rows.keep_committed(st.tokens)
+            pending[i] = list(range(rows.true_rows + len(rows.read), end))
+            catchup.append(end - min(before, rows.kv.length) > asked[i] + 1)
+        if not todo:
+            return drafts
         clock = states[todo[0]].clock  # the pipeline's clock (Draft.catchup_s)
         t0 = clock()
-        rows = torch.cat(feats) if len(feats) > 1 else feats[0]
-        out = dm.step(rows, torch.tensor(ids, dtype=torch.long), batch)  # [R, H]
+        if firsts:
+            rows_in = torch.cat(feats) if len(feats) > 1 else feats[0]
+            out = dm.step(rows_in, torch.tensor(ids, dtype=torch.long), batch)  # [R, H]
+            ends = torch.tensor([t for _, t in batch]).cumsum(0) - 1
+            for i, e in zip(firsts, ends.tolist(), strict=True):
+                heads[i].outputs = [out[e].clone()]  # f^ of position true_rows
+        while any(pending.values()):  # rows on predicted features, one per request a step
+            on = [i for i in todo if pending[i]]
+            nxt = [states[i].tokens[pending[i].pop(0) + 1] for i in on]
+            out = dm.step(torch.stack([heads[i].outputs[-1] for i in on]),
+                          torch.tensor(nxt, dtype=torch.long), [(caches[i], 1) for i in on])
+            for r, (i, t) in enumerate(zip(on, nxt, strict=True)):
+                heads[i].add(t, out[r].clone())
         step0_s = clock() - t0
-        ends = torch.tensor([t for _, t in batch]).cumsum(0) - 1
-        predicted = out[ends]  # [A, H]: f^_{n-1} per request
+        predicted = torch.stack([heads[i].outputs[-1] for i in todo])  # [A, H]: f^_{n-1}
         tokens: dict[int, list[int]] = {i: [] for i in todo}
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in todo}
         # Per tree request: every node's parent (-1: the last committed token).
@@ -204,16 +295,20 @@ class FeatureDrafter:
                         caches[i].tree = TreeLayout(len(states[i].tokens) - 1, tuple(parents[i]))
                 predicted = dm.step(predicted[sources], torch.tensor(next_ids, dtype=torch.long),
                                     [(caches[i], t) for i, t in zip(still, added, strict=True)])
+                row = 0
+                for i, t in zip(still, added, strict=True):
+                    if i not in parents:  # a chain's row stays (module doc)
+                        heads[i].add(next_ids[row], predicted[row].clone())
+                    row += t
                 rows_of.update(zip(still, added, strict=True))
                 active = still
         finally:  # a tree's layout never outlives the round
             for i in todo:
                 caches[i].tree = None
         for pos, i in enumerate(todo):
-            st = states[i]
-            committed = len(st.tokens) - 1
-            caches[i].truncate(committed)  # only rows of target features stay
-            st.session(self.lm).retain_final_from(committed)
+            st, rows = states[i], heads[i]
+            rows.kv.truncate(rows.true_rows + len(rows.read))  # a tree's rows go
+            st.session(self.lm).retain_final_from(rows.true_rows)
             probs = torch.cat(q_rows[i]) if q_rows[i] else None
             drafts[i] = Draft(tokens[i], probs, catchup_s=step0_s if catchup[pos] else 0.0,
                               parents=parents.get(i))

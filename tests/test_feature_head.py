@@ -114,6 +114,43 @@ def test_drafter_accepts_and_matches_hf_greedy(qwen, trained):
         assert generate(pipe, p, 20).stats.tau > 1.5
 
 
+def test_drafts_after_provisional_tokens_continue_the_chain(qwen, trained):
+    """Committed tokens whose h_N the target has not computed (HiSpec's provisionally
+    accepted drafts) are read through the head's own predicted features, as its chain did:
+    after committing a 6-token chain's first 4 tokens the next 2-token draft is the chain's
+    tokens 5 and 6; after all 6, the next token is a 7-token chain's 7th.  The drafter runs
+    none of the target's layers (``ModelUse.reads_only``)."""
+    from specflow.kv.stores import KVStores
+    from specflow.state import DecodeState
+
+    _, lm = qwen
+    path, _, data = trained
+    prompt = data.seq(0)[0][: data.seq(0)[2]].tolist()
+
+    def started() -> tuple[DecodeState, FeatureDrafter]:
+        st = DecodeState(tokens=list(prompt), prompt_len=len(prompt), max_len=64,
+                         kv=KVStores())
+        drafter = FeatureDrafter(lm, head=str(path), k=8)
+        FullVerifier(lm).begin([st])  # the target's prefill: h_N of the prompt
+        drafter.begin([st])
+        return st, drafter
+
+    st, drafter = started()
+    chain = drafter.propose([st], [6])[0].tokens
+    assert len(chain) == 6
+    done = [st.session(lm).computed(layer) for layer in range(lm.info.num_layers)]
+    st.tokens += chain[:4]
+    assert drafter.propose([st], [2])[0].tokens == chain[4:6]
+    st.tokens += chain[4:6]
+    after_all = drafter.propose([st], [1])[0].tokens
+    assert [st.session(lm).computed(layer) for layer in range(lm.info.num_layers)] == done
+    assert drafter.uses()[0].reads_only
+
+    ref, ref_drafter = started()
+    longer = ref_drafter.propose([ref], [7])[0].tokens
+    assert longer[:6] == chain and after_all == longer[6:]
+
+
 def test_drafter_sitting_out_rounds_reads_the_features_later(qwen, trained):
     """Rounds without drafting (k = 0) keep the target's features; the next draft reads
     them (the session's ``retain_final_from``) and the output stays exact."""

@@ -112,6 +112,11 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
             ModelDrafter(lm, k=2, exit_layer=2),
             intermediate_verifier=EarlyExitVerifier(lm, exit_layer=4, accumulate=3),
         )
+    if method == "hispec_feature":  # the feature head drafts, exit 4 pre-verifies
+        return pipe(
+            FeatureDrafter(lm, head=feature_head, k=2),
+            intermediate_verifier=EarlyExitVerifier(lm, exit_layer=4, accumulate=4),
+        )
     if method == "layer_skip":
         return pipe(LayerSkipDrafter(lm, [1, 3], k=3))
     if method == "metasd_eagle":  # eagle_pld and PLD -> draft model, cost-aware reward
@@ -170,6 +175,7 @@ METHODS = [
     "hispec",
     "self_spec_adapter",
     "hispec_adapter",
+    "hispec_feature",
     "metasd_adapter",
     "layer_skip",
     *(f"metasd_{name}" for name in SELECTORS),

@@ -15,10 +15,11 @@ from specflow.sampling import SamplingParams
 from specflow.scheduler import generate
 from specflow.state import DecodeState
 from stages.early_exit_verifier import EarlyExitVerifier
+from stages.feature_drafter import FeatureDrafter
 from stages.full_verifier import FullVerifier
 from stages.layer_skip_drafter import LayerSkipDrafter
 from stages.model_drafter import ModelDrafter
-from tests.conftest import hf_greedy, make_pair, two_token_law
+from tests.conftest import hf_greedy, make_pair, train_tiny_feature_head, two_token_law
 
 PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]]
 MAX_NEW = 40
@@ -185,16 +186,37 @@ def test_bad_exit_layers_are_refused(deep):
         )
 
 
-def test_hispec_sampling_follows_the_target_law(deep):
+@pytest.fixture(scope="module")
+def deep_feature_head(deep, tmp_path_factory) -> str:
+    """A feature head for ``deep``, trained on its own greedy answers (a few seconds)."""
+    path = tmp_path_factory.mktemp("feature") / "feature_head.safetensors"
+    train_tiny_feature_head(deep[1], path)
+    return str(path)
+
+
+@pytest.mark.parametrize("drafter", ["early_exit", "feature"])
+def test_hispec_sampling_follows_the_target_law(deep, deep_feature_head, drafter):
+    """The first two tokens' joint law is the target's (chi-square).  With the feature head
+    the pipeline generates 4 tokens (N_i = 3), so after a rejection at exit 4 the head drafts
+    again after the verifier's provisional token, from its own predicted features."""
     _, lm = deep
     sampling = SamplingParams(temperature=1.0, top_k=3)
-    pipe = hispec(lm, k=2, accumulate=2, acceptor=StandardAcceptor())
+    if drafter == "early_exit":
+        pipe, new = hispec(lm, k=2, accumulate=2, acceptor=StandardAcceptor()), 2
+    else:
+        pipe = SpeculativePipeline(
+            FullVerifier(lm), StandardAcceptor(),
+            drafter=FeatureDrafter(lm, head=deep_feature_head, k=2),
+            intermediate_verifier=EarlyExitVerifier(lm, exit_layer=4, accumulate=3),
+        )
+        new = 4
     prompt = [1, 5, 9]
     law = two_token_law(lm, prompt, sampling)
     trials = 1200
     counts = dict.fromkeys(law, 0)
     for seed in range(trials):
-        counts[tuple(generate(pipe, prompt, 2, sampling, seed=seed, stop_token_ids=()).tokens)] += 1
+        gen = generate(pipe, prompt, new, sampling, seed=seed, stop_token_ids=())
+        counts[tuple(gen.tokens[:2])] += 1
     cells = list(law)
     assert (
         chisquare(

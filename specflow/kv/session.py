@@ -376,6 +376,11 @@ class ModelSession:
         position, also after rounds it did not draft in)."""
         self.final_floor = position
 
+    def final_end(self) -> int:
+        """The end of the kept ``h_N`` block: ``h_N`` of positions ``[final_start,
+        final_end())`` is kept (empty when ``final_end() == final_start``)."""
+        return self.final_start + (0 if self.final_hidden is None else self.final_hidden.shape[0])
+
     def final_features(self, start: int, end: int) -> torch.Tensor:
         """``h_N [end-start, H]`` of positions ``[start, end)``, as the last layer computed
         them (they must still be kept: see ``retain_final_from``; ``RuntimeError`` if not)."""
