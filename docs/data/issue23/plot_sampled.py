@@ -2,7 +2,8 @@
 runs of 2026-12-02, from their metrics.json: the Spec-Bench training questions' greedy
 answers alone, with three sampled answers each (both on the AMD EPYC), and with prompts the
 target wrote itself (train_heads/magpie.py; 512 draws; the Intel Xeon), and with those 319
-plus 441 more (640 new draws; the AMD EPYC with AVX-512, sixth session).  Writes
+plus 441 more (640 new draws; the AMD EPYC with AVX-512, sixth session), and with those
+plus 431 more (1,280 draws; the same CPU model, eighth session).  Writes
 sampled_vs_greedy.png, and agreement_vs_data.png: each run's held-out agreement after
 training against its distinct training positions.
 
@@ -23,6 +24,7 @@ RUNS = {
     "+ 3 sampled answers: 68,618 positions": "feature_sb_s3.metrics.json",
     "+ 319 self-written prompts: 67,755 positions": "feature_sb_magpie.metrics.json",
     "+ 760 self-written prompts: 135,745 positions": "feature_sb_magpie2.metrics.json",
+    "+ 1,190 self-written prompts: 202,342 positions": "feature_sb_magpie3.metrics.json",
 }
 
 fig, ax = plt.subplots(figsize=(5.5, 3.4))
