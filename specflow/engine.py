@@ -43,7 +43,7 @@ import torch
 
 from specflow.acceptance import StandardAcceptor
 from specflow.catchup import catch_up
-from specflow.errors import ConfigError
+from specflow.errors import ConfigError, SpecflowError
 from specflow.kv.base import ModelInfo, check_same_tokenizer
 from specflow.protocols import (
     Acceptor,
@@ -112,6 +112,12 @@ class SpeculativePipeline:
                     "(e.g. drafter=early_exit)"
                 )
             check_exit_order(drafter, intermediate_verifier)
+            if drafter.branches > 1:
+                raise ConfigError(
+                    f"drafter.branches={drafter.branches}: an intermediate_verifier verifies "
+                    f"chains at its exit, not token trees; draft chains (drafter.branches=1) "
+                    f"or drop the intermediate_verifier"
+                )
 
             drafter = SpeculativePipeline(
                 intermediate_verifier,
@@ -128,6 +134,7 @@ class SpeculativePipeline:
         self.name = name
         self.level = level
         self.k = k
+        self.branches = 1  # a nested pipeline drafts its committed tokens: a chain
         self._inner: RequestLocal[DecodeState] = RequestLocal(self._new_inner)
         self._check_graph()
 
@@ -145,6 +152,13 @@ class SpeculativePipeline:
             for info in self.drafter.models():
                 check_same_tokenizer(info, target)
             self.acceptor.check_draft_length(self.max_draft_len)
+            if self.drafter.branches > 1 and not self.acceptor.accepts_trees:
+                raise ConfigError(
+                    f"drafter.branches={self.drafter.branches}: the drafter may propose token "
+                    f"trees but this pipeline's acceptor ({type(self.acceptor).__name__}) "
+                    f"verifies chains only; draft chains (drafter.branches=1; "
+                    f"drafter.then.branches in eagle_pld) or use acceptor=exact"
+                )
 
     @property
     def max_draft_len(self) -> int:
@@ -221,12 +235,12 @@ class SpeculativePipeline:
             for i, draft in zip(drafting, proposed, strict=True):
                 drafts[i] = draft
         t1 = self.clock()
-        if any(d.parents is not None for d in drafts) and not self.acceptor.accepts_trees:
-            raise ConfigError(
-                f"{self.name}: the drafter proposed a token tree but this pipeline's acceptor "
-                f"({type(self.acceptor).__name__}) verifies chains only; draft chains "
-                f"(drafter.branches=1; drafter.then.branches in eagle_pld) or use "
-                f"acceptor=exact"
+        if self.drafter is not None and self.drafter.branches == 1 and any(
+                d.parents is not None for d in drafts):
+            raise SpecflowError(
+                f"{self.name}: drafter {self.drafter.name!r} declares branches=1 (chains "
+                f"only) but proposed a token tree (Draft.parents): a drafter that may draft "
+                f"trees must declare its branches (specflow.protocols.Drafter)"
             )
         logits = self.target_verifier.score(states, drafts)  # each [d_i+1, V]
         t2 = self.clock()

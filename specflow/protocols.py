@@ -50,10 +50,18 @@ class Drafter(Protocol):
     made of drafters (a fallback, a pool) has the largest ``k`` of its parts and asks each
     part through ``draft_limit``; a nested pipeline's ``k`` is the most tokens it drafts for
     the outer pipeline.
+
+    ``branches`` (>= 1) is the most branches a draft of this drafter can have: 1 for a
+    drafter of chains only, m > 1 for one that may propose a token tree (``Draft.parents``;
+    a feature head's ``drafter.branches``).  A drafter made of drafters has the largest of
+    its parts'; a nested pipeline drafts chains (its committed tokens).  The engine refuses,
+    when a pipeline is built, trees where they cannot be verified: under an intermediate
+    verifier, or with an acceptor that walks chains only (``Acceptor.accepts_trees``).
     """
 
     name: str
     k: int
+    branches: int
 
     def begin(self, states: list[DecodeState]) -> None:
         """New requests start (reset per-request state; prefill may happen here)."""

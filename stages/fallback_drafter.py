@@ -42,6 +42,7 @@ class FallbackDrafter:
         self.then = then
         self.min_tokens = min_tokens
         self.k = max(first.k, then.k)
+        self.branches = max(first.branches, then.branches)
         # Per request: whether its draft of this round came from ``first``.
         self._from_first: RequestLocal[bool] = RequestLocal(lambda _state: True)
 

@@ -25,6 +25,10 @@ tree; ``min_confidence`` stops chains only.  By default (``trees=free_rows``) a 
 drafts trees only where they add no verify rows the target's row padding does not pay for
 anyway (batch 1 at the probed row count); the rows counted are this drafter's requests'
 (in a fallback, requests another drafter drafts for in the same round are not counted).
+``trees=measured`` also drafts them where they cost rows but measurably pay (``TreeGain``):
+the tokens a tree round commits against what its first branch alone (the chain) would have,
+counted on every tree the target verified, against the verify pass's cost at the two row
+counts from the target's row probe.
 
 **Provisional tokens** (HiSpec: ``drafter=feature`` under an ``intermediate_verifier``).  An
 intermediate verifier at exit L_i accepts the head's drafts provisionally and asks for more
@@ -60,6 +64,7 @@ from specflow.models.feature_head import (
 )
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
+from specflow.models.row_padding import RowProbe
 from specflow.protocols import ModelUse
 from specflow.sampling import choose
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
@@ -108,6 +113,56 @@ class HeadRows:
         self.outputs.append(output)
 
 
+@dataclass
+class TreeGain:
+    """Whether a tree pays where it costs verify rows (``trees=measured``), from what the
+    target's verdicts showed.
+
+    A greedy tree of m branches holds the chain as its first branch (the head's top-1 token,
+    then top-1 under it: ``Draft.first_chain``), so each verified tree tells both what it
+    committed, ``a_tree + 1`` tokens, and what the chain alone would have, ``a_chain + 1``
+    (``a_chain``: the kept path's common prefix with the first branch).  Over the trees seen,
+    ``gain = sum(a_tree + 1) / sum(a_chain + 1) >= 1``.  A round of ``r_t`` verify rows with
+    trees instead of ``r_c`` with chains pays iff ``gain >= c(r_t) / c(r_c)``, ``c`` the
+    probed seconds of the target's packed matmuls at that row count
+    (``specflow.models.row_padding.RowProbe``: the rows' share of a verify pass; the draft's
+    own extra head rows are not counted).  Until ``warmup`` trees were seen, and on every
+    ``explore``-th undecided round after, trees are drafted to keep ``gain`` measured; a row
+    count the probe did not time is not paid for (chains).
+    """
+
+    warmup: int = 8
+    explore: int = 16
+    tree_tokens: int = 0
+    chain_tokens: int = 0
+    trees_seen: int = 0
+    decisions: int = 0
+
+    @property
+    def gain(self) -> float:
+        return self.tree_tokens / self.chain_tokens if self.chain_tokens else 1.0
+
+    def pays(self, chain_rows: int, tree_rows: int, probe: RowProbe | None) -> bool:
+        """Whether ``tree_rows`` verify rows with trees beat ``chain_rows`` with chains."""
+        self.decisions += 1
+        if probe is None or chain_rows not in probe.seconds or tree_rows not in probe.seconds:
+            return False
+        if self.trees_seen < self.warmup or self.decisions % self.explore == 0:
+            return True
+        return self.gain >= probe.seconds[tree_rows] / probe.seconds[chain_rows]
+
+    def count(self, draft: Draft, verdict: Acceptance) -> None:
+        """Add one verified tree draft (``draft.parents`` set, ``verdict.path`` its kept
+        path)."""
+        path, chain = verdict.path or [], draft.first_chain()
+        shared = 0
+        while shared < min(len(path), len(chain)) and path[shared] == chain[shared]:
+            shared += 1
+        self.tree_tokens += len(path) + 1
+        self.chain_tokens += shared + 1
+        self.trees_seen += 1
+
+
 class FeatureDrafter:
     """Draft up to ``k`` tokens per round with a feature head of the target ``model``.
 
@@ -125,7 +180,9 @@ class FeatureDrafter:
             when, on a CPU, the round's verify rows with trees stay within what the target's
             padded matmuls pay for anyway, ``max(model.min_rows, rows with chains)`` (batch
             1 at the probed 5 rows: a 2 x 2 tree; at batch 3 the extra rows cost: chains);
-            on other devices always; ``always``: every round that can.
+            on other devices always; ``measured``: also where the extra rows cost, when the
+            trees verified so far committed enough more tokens to pay for them
+            (``TreeGain``); ``always``: every round that can.
     """
 
     name = "feature"
@@ -137,8 +194,10 @@ class FeatureDrafter:
             raise ConfigError(f"drafter.k must be >= 1, got {k}")
         if branches < 1:
             raise ConfigError(f"drafter.branches must be >= 1 (1: a chain), got {branches}")
-        if trees not in ("free_rows", "always"):
-            raise ConfigError(f"drafter.trees must be free_rows or always, got {trees!r}")
+        if trees not in ("free_rows", "measured", "always"):
+            raise ConfigError(
+                f"drafter.trees must be free_rows, measured or always, got {trees!r}"
+            )
         self.branches = branches
         self.trees = trees
         if not 0.0 <= min_confidence < 1.0:
@@ -163,6 +222,7 @@ class FeatureDrafter:
         self.min_confidence = min_confidence
         self._draft_models: dict[int, FeatureDraftModel] = {}  # by id(placed target)
         self._rows: RequestLocal[HeadRows] = RequestLocal(self._new_rows)
+        self.tree_gain = TreeGain()  # trees=measured: what verified trees showed
 
     def models(self) -> list[ModelInfo]:
         return [self.lm.info]
@@ -324,7 +384,13 @@ class FeatureDrafter:
             return True
         chains = sum(1 + n for n in asked)
         with_trees = sum(1 + n * self._width(st, n) for st, n in zip(states, asked, strict=True))
-        return with_trees <= max(dm.target.min_rows, chains)
+        if with_trees <= max(dm.target.min_rows, chains):
+            return True
+        if self.trees == "measured":
+            probe = dm.target.row_probe
+            return self.tree_gain.pays(max(dm.target.min_rows, chains), with_trees,
+                                       probe if isinstance(probe, RowProbe) else None)
+        return False
 
     def _width(self, state: DecodeState, asked: int) -> int:
         """The branches a request drafts this round: ``branches`` for a greedy request whose
@@ -341,4 +407,9 @@ class FeatureDrafter:
         target_logits: list[torch.Tensor],
         verdicts: list[Acceptance],
     ) -> None:
-        pass
+        """``trees=measured``: count each verified tree (``TreeGain.count``)."""
+        if self.trees != "measured":
+            return
+        for draft, verdict in zip(drafts, verdicts, strict=True):
+            if draft.parents is not None:
+                self.tree_gain.count(draft, verdict)

@@ -24,6 +24,7 @@ class LayerSkipDrafter:
     """Draft with ``model`` skipping ``skip_layers`` (0-based decoder layer indices)."""
 
     name = "layer_skip"
+    branches = 1  # chains only (Drafter.branches)
 
     def __init__(self, model: Any, skip_layers: list[int], k: int = 4) -> None:
         if k < 1:

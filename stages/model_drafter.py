@@ -37,6 +37,7 @@ class ModelDrafter:
     """
 
     name = "model"
+    branches = 1  # chains only (Drafter.branches)
 
     def __init__(
         self,

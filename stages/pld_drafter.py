@@ -44,6 +44,7 @@ class PLDDrafter:
     """
 
     name = "pld"
+    branches = 1  # chains only (Drafter.branches)
 
     def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if k < 1:

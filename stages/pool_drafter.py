@@ -189,6 +189,7 @@ class PoolDrafter:
         self._step_s = math.inf  # t_ref: the shortest verification seen in the run (rate)
         self.name = name
         self.k = max(arm.k for arm in self.arms)
+        self.branches = max(arm.branches for arm in self.arms)
         self.rate_scale = float(self.k + 1) if rate_scale is None else rate_scale
         self._uses = [arm.uses() for arm in self.arms]
         n = len(self.arms)

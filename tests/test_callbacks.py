@@ -316,6 +316,7 @@ class _CrashingDrafter:
     """Drafts nothing useful for the first request; raises on the second one's first round."""
 
     name = "crashing"
+    branches = 1
     k = 2
 
     def __init__(self) -> None:

@@ -48,6 +48,7 @@ class Asked:
     call's ``asked`` (``None`` tokens: propose nothing)."""
 
     name = "asked"
+    branches = 1
 
     def __init__(self, k: int, token: int | None = 0) -> None:
         self.k = k

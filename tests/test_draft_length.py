@@ -133,6 +133,7 @@ class _CatchingUpDrafter:
         self.clock_ticks = clock_ticks
 
     name = "catching_up"
+    branches = 1
 
     def models(self):
         return []

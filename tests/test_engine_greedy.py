@@ -29,6 +29,7 @@ class OracleDrafter:
     """
 
     name = "oracle"
+    branches = 1
 
     def __init__(self, truth: list[int], prompt_len: int, vocab: int, mode: str, k: int = 4):
         self.truth, self.prompt_len, self.vocab, self.mode, self.k = (

@@ -13,6 +13,8 @@ from stages.fallback_drafter import FallbackDrafter
 class Scripted:
     """Proposes ``table[first token of the request]`` (cut to k) and records every call."""
 
+    branches = 1
+
     def __init__(self, name: str, k: int, table: dict[int, list[int]]) -> None:
         self.name, self.k, self.table = name, k, table
         self.proposed: list[tuple[list[int], list[int]]] = []  # (first tokens, ks) per call

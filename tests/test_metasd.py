@@ -169,6 +169,7 @@ class StubDrafter:
     """Proposes ``TOKENS`` (q one-hot)."""
 
     name = "stub"
+    branches = 1
     k = 3
 
     def begin(self, states: list[DecodeState]) -> None:

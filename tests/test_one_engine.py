@@ -15,13 +15,14 @@ from scipy.stats import chisquare
 from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.kv.stores import KVLayout
+from specflow.models.row_padding import RowProbe
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest, generate
-from specflow.state import DecodeState, Draft
+from specflow.state import Acceptance, DecodeState, Draft
 from stages.draft_length import AdaptiveDraftLength
 from stages.early_exit_verifier import EarlyExitVerifier
 from stages.fallback_drafter import FallbackDrafter
-from stages.feature_drafter import FeatureDrafter
+from stages.feature_drafter import FeatureDrafter, TreeGain
 from stages.fixed_selector import FixedSelector
 from stages.fly_acceptor import FlyAcceptor
 from stages.full_verifier import FullVerifier
@@ -260,6 +261,49 @@ def test_trees_only_where_their_rows_are_free(target, feature_head):
     assert drafted == {(5, 1): [4, 4], (5, 3): [2, 2], (1, 1): [2, 2]}
 
 
+def test_tree_gain_counts_what_the_first_branch_alone_would_have_committed():
+    """Two roots (nodes 0, 1), a chain under each (0 -> 2 -> 4, 1 -> 3): a path through
+    the second root commits 3 tokens where the chain (the first branch) commits 1, a path
+    along the first branch the same 3 as the chain; the decision prices rows by the probe."""
+    tree = Draft([21, 22, 23, 24, 25], parents=[-1, -1, 0, 1, 2])
+    gain = TreeGain(warmup=2, explore=4)
+    gain.count(tree, Acceptance(2, 7, path=[1, 3]))
+    gain.count(tree, Acceptance(2, 7, path=[0, 2]))
+    gain.count(tree, Acceptance(0, 7, path=[]))
+    assert (gain.tree_tokens, gain.chain_tokens, gain.trees_seen) == (7, 5, 3)
+    probe = RowProbe({3: 1.0, 5: 1.3}, 1)
+    # decisions 1, 2, 3: gain 1.4 >= 1.3; 4: explore; then with cost 1.5 > 1.4: chains
+    assert [gain.pays(3, 5, probe) for _ in range(4)] == [True] * 4
+    dear = RowProbe({3: 1.0, 5: 1.5}, 1)
+    assert [gain.pays(3, 5, dear) for _ in range(4)] == [False, False, False, True]
+    assert not gain.pays(3, 7, dear)  # 7 rows were not probed: not paid for
+    assert not TreeGain().pays(3, 5, None)  # no probe (model.min_rows given): chains
+
+
+@pytest.mark.parametrize("cost", [1.0, 100.0])
+def test_measured_trees_follow_their_gain_and_the_probe(cost, target, feature_head):
+    """``trees=measured`` at batch 1, unpadded (a tree always costs rows): where the probe
+    prices every row count alike every round drafts a tree; where each row costs 100 times
+    the one before, only the warm-up's and every ``explore``-th round do; HF's tokens
+    either way."""
+    hf, lm = target
+    try:
+        lm.row_probe = RowProbe({r: cost ** r for r in range(1, 7)}, 1)
+        draft = FeatureDrafter(lm, head=feature_head, k=2, branches=2, trees="measured")
+        pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
+        gens, _ = decode(pipe, 1, "contiguous", PROMPTS, MAX_NEW)
+    finally:
+        lm.row_probe = None
+    assert [g.tokens for g in gens] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    gain = draft.tree_gain
+    n = gain.decisions
+    explored = min(n, gain.warmup) + sum(1 for d in range(gain.warmup + 1, n + 1)
+                                         if d % gain.explore == 0)
+    assert n > gain.explore
+    assert gain.trees_seen == (n if cost == 1.0 else explored)
+    assert gain.tree_tokens >= gain.chain_tokens > 0
+
+
 def test_ragged_acceptance_within_a_batch(target, drafter):
     """Sequences of one batch keep different prefixes in the same round."""
     hf, lm = target
@@ -334,6 +378,7 @@ class WrongDrafter:
     """Always proposes a token the target will not pick (its greedy choice + 1)."""
 
     name = "wrong"
+    branches = 1
     k = 4
 
     def __init__(self, truth: dict[tuple[int, ...], list[int]], vocab: int, ticks: list[int]):

@@ -7,7 +7,7 @@ import torch
 
 from specflow.acceptance import StandardAcceptor, greedy_tree_accept
 from specflow.engine import SpeculativePipeline
-from specflow.errors import ConfigError, PromptTooLongError
+from specflow.errors import ConfigError, PromptTooLongError, SpecflowError
 from specflow.kv.contiguous import KVCache
 from specflow.kv.paged import PagedKVCache
 from specflow.kv.session import ModelSession, forward_logits
@@ -188,10 +188,14 @@ def test_greedy_tree_accept_walks_the_argmax_path():
 
 
 class _TreeOnce:
-    """A drafter that proposes one fixed tree (for the refusal test)."""
+    """A drafter that proposes one fixed tree (for the refusal tests); ``branches`` is what
+    it declares (1: a drafter that breaks its contract)."""
 
     name = "tree"
     k = 2
+
+    def __init__(self, branches: int = 2) -> None:
+        self.branches = branches
 
     def begin(self, states):
         pass
@@ -209,15 +213,35 @@ class _TreeOnce:
         return []
 
 
-def test_a_chain_only_acceptor_refuses_a_tree(lm):
+def test_a_chain_only_acceptor_refuses_a_tree_drafter_when_built(lm):
     from specflow.scheduler import generate
 
-    pipe = SpeculativePipeline(FullVerifier(lm), FlyAcceptor(theta=1.0, window=1),
-                               drafter=_TreeOnce())
-    with pytest.raises(ConfigError, match="verifies chains only"):
-        generate(pipe, [1, 2, 3], 4)
+    with pytest.raises(ConfigError, match=r"drafter.branches=2: .* \(FlyAcceptor\) verifies "
+                                          r"chains only"):
+        SpeculativePipeline(FullVerifier(lm), FlyAcceptor(theta=1.0, window=1),
+                            drafter=_TreeOnce())
     ok = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=_TreeOnce())
     assert len(generate(ok, [1, 2, 3], 4).tokens) == 4
+
+
+def test_a_tree_from_a_drafter_declaring_chains_is_refused_at_its_round(lm):
+    from specflow.scheduler import generate
+
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
+                               drafter=_TreeOnce(branches=1))
+    with pytest.raises(SpecflowError, match="'tree' declares branches=1 .* proposed a token "
+                                            "tree"):
+        generate(pipe, [1, 2, 3], 4)
+
+
+def test_an_intermediate_verifier_refuses_a_tree_drafter_when_built(lm):
+    from stages.early_exit_verifier import EarlyExitVerifier
+
+    with pytest.raises(ConfigError, match="drafter.branches=2: an intermediate_verifier "
+                                          "verifies chains"):
+        SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=_TreeOnce(),
+                            intermediate_verifier=EarlyExitVerifier(lm, exit_layer=1,
+                                                                   accumulate=2))
 
 
 def test_set_tree_refuses_a_tree_beyond_the_context(lm):
