@@ -114,9 +114,10 @@ def main() -> None:
         "drafting a tree of BRANCHES x DEPTH (drafter.branches, drafter.k)",
     )
     ap.add_argument(
-        "--feature-trees", choices=("free_rows", "always"), default="free_rows",
+        "--feature-trees", choices=("free_rows", "measured", "always"), default="free_rows",
         help="drafter.trees of the --feature-tree methods: free_rows (on a CPU, a tree only "
-        "where its verify rows fit the padded row count) or always",
+        "where its verify rows fit the padded row count), measured (also where the trees "
+        "verified so far pay for their rows at the row probe's prices) or always",
     )
     ap.add_argument("--feature-ks", type=int, nargs="*", default=[])
     ap.add_argument(

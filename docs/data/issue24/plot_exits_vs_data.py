@@ -3,7 +3,8 @@ Qwen2.5-Coder-1.5B, from committed metrics only.  In-domain data: the 100 non-he
 Spec-Bench questions' greedy answers (14,302 rows after the shared prefix; mlp heads, 2
 epochs) and those + the answers to 760 prompts the target wrote itself (115,105 rows; mlp
 heads of exits 4 and 7 and the attention adapter of exit 4, 1 epoch each; 2026-12-02,
-seventh session).  For reference the exit-7 mlp head on local text (1 epoch) and the feature
+seventh session), and for exit 7 the answers to the 1,280 draws' prompts (171,382 rows,
+1 epoch; ninth session).  For reference the exit-7 mlp head on local text (1 epoch) and the feature
 head (3 epochs; its x is positions, prompt rows included).  Writes exits_vs_data.png next
 to this file.
 
@@ -33,6 +34,8 @@ for exit_layer, color in ((4, "tab:blue"), (7, "tab:green")):
         exit_point("mlp_4_7_14_specbench.metrics.json", exit_layer),
         exit_point("mlp_4_7_magpie.metrics.json", exit_layer),
     ]
+    if exit_layer == 7:  # the 1,280-draw data (2026-12-03, ninth session)
+        pts.append(exit_point("mlp7_magpie3.metrics.json", 7))
     ax.plot(
         [p[0] for p in pts],
         [p[1] for p in pts],

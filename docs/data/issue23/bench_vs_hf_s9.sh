@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# #23, ninth session: §21.3's comparison with Hugging Face `generate` (scripts/bench_vs_hf.py,
+# one process) repeated on the same head (1.5 times the data, 43.8 %) after §22.1's table:
+# ours plain, eagle_pld (a chain of 2; a 2 x 2 tree drafted always) and HF prompt lookup (HF's
+# best in §18.1-§21.3), on the 12 held-out table questions, 128 new tokens, greedy, one
+# repeat, row count probed.  Nothing else may run on the CPU meanwhile.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+source docs/data/issue24/bench_common.sh
+export NEW_FT5=${MAGPIE3:-outputs/train_heads/feature_magpie3/feature_head.safetensors}
+vs_hf --feature-k 2 --feature-tree 2 2 --feature-trees always --min-rows 0 \
+  --only ours_ar ours_eagle_pld_rows ours_eagle_pld_tree_rows hf_pld \
+  --out "${OUT:-docs/data/issue23/bench_vs_hf_s9.json}" "$@"
