@@ -47,6 +47,7 @@ there.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +65,12 @@ from specflow.models.feature_head import (
 )
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
-from specflow.models.row_padding import RowProbe
+from specflow.models.row_padding import RowProbe, probe_min_rows
 from specflow.protocols import ModelUse
 from specflow.sampling import choose
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -223,6 +226,7 @@ class FeatureDrafter:
         self._draft_models: dict[int, FeatureDraftModel] = {}  # by id(placed target)
         self._rows: RequestLocal[HeadRows] = RequestLocal(self._new_rows)
         self.tree_gain = TreeGain()  # trees=measured: what verified trees showed
+        self._trees_paid: bool | None = None  # its last decision (logged when it changes)
 
     def models(self) -> list[ModelInfo]:
         return [self.lm.info]
@@ -241,10 +245,20 @@ class FeatureDrafter:
         return HeadRows(KVCache(self._draft_model(state).kv, state.max_len))
 
     def begin(self, states: list[DecodeState]) -> None:
-        """Keep the target's features from position 0 on; a fresh head cache per request."""
+        """Keep the target's features from position 0 on; a fresh head cache per request.
+        ``trees=measured`` on a CPU: the target's row probe gives the prices; a target whose
+        ``model.min_rows`` was given, not probed, is probed here once (its row padding
+        unchanged)."""
         for st in states:
             st.session(self.lm).retain_final_from(0)
             self._rows.set(st, self._new_rows(st))
+        if self.trees == "measured" and self.branches > 1 and states:
+            target = self._draft_model(states[0]).target
+            if target.device.type == "cpu" and not isinstance(target.row_probe, RowProbe):
+                target.row_probe = probe_min_rows(target)
+                log.info("%s: trees=measured prices rows by the probe, ms by rows %s",
+                         target.info.name,
+                         {r: round(t * 1e3, 2) for r, t in target.row_probe.seconds.items()})
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in states]
@@ -388,8 +402,15 @@ class FeatureDrafter:
             return True
         if self.trees == "measured":
             probe = dm.target.row_probe
-            return self.tree_gain.pays(max(dm.target.min_rows, chains), with_trees,
+            pays = self.tree_gain.pays(max(dm.target.min_rows, chains), with_trees,
                                        probe if isinstance(probe, RowProbe) else None)
+            if pays != self._trees_paid:  # the decision changed: say why, once
+                self._trees_paid = pays
+                log.info("trees=measured: %s at %d verify rows against %d (tokens per round "
+                         "%.3f times the chain's over %d trees)", "trees" if pays else "chains",
+                         with_trees, max(dm.target.min_rows, chains), self.tree_gain.gain,
+                         self.tree_gain.trees_seen)
+            return pays
         return False
 
     def _width(self, state: DecodeState, asked: int) -> int:

@@ -304,6 +304,32 @@ def test_measured_trees_follow_their_gain_and_the_probe(cost, target, feature_he
     assert gain.tree_tokens >= gain.chain_tokens > 0
 
 
+def test_measured_trees_probe_a_target_that_was_not_probed(target, feature_head):
+    """A target whose ``min_rows`` was given has no prices: ``trees=measured`` probes it
+    when requests begin, leaving its row padding as it was.  A packed model gets every row
+    count timed (the warm-up then drafts trees); an unpacked one nothing (no row count is
+    paid for: chains only)."""
+    hf, lm = target
+    assert lm.row_probe is None and lm.min_rows == 1
+    try:
+        draft = FeatureDrafter(lm, head=feature_head, k=2, branches=2, trees="measured")
+        pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
+        gens, _ = decode(pipe, 1, "contiguous", PROMPTS[:2], MAX_NEW)
+        probe = lm.row_probe
+        assert isinstance(probe, RowProbe)
+        assert sorted(probe.seconds) == ([1, 2, 3, 4, 5, 6] if lm.packed else [])
+        assert lm.min_rows == 1
+    finally:
+        lm.row_probe = None
+    assert [g.tokens for g in gens] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS[:2]]
+    gain = draft.tree_gain
+    assert gain.decisions > gain.warmup
+    if lm.packed:
+        assert gain.trees_seen >= gain.warmup
+    else:
+        assert gain.trees_seen == 0
+
+
 def test_ragged_acceptance_within_a_batch(target, drafter):
     """Sequences of one batch keep different prefixes in the same round."""
     hf, lm = target
