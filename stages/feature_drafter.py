@@ -227,6 +227,14 @@ class FeatureDrafter:
         self._rows: RequestLocal[HeadRows] = RequestLocal(self._new_rows)
         self.tree_gain = TreeGain()  # trees=measured: what verified trees showed
         self._trees_paid: bool | None = None  # its last decision (logged when it changes)
+        if (trees == "measured" and branches > 1 and self.lm.device.type == "cpu"
+                and not isinstance(self.lm.row_probe, RowProbe)):
+            # The prices of rows: a target whose model.min_rows was given, not probed, is
+            # probed once here (about a second; its row padding unchanged, the run summary's
+            # row_padding shows the milliseconds).
+            self.lm.row_probe = probe_min_rows(self.lm)
+            log.info("%s: trees=measured prices rows by the probe, ms by rows %s", name,
+                     {r: round(t * 1e3, 2) for r, t in self.lm.row_probe.seconds.items()})
 
     def models(self) -> list[ModelInfo]:
         return [self.lm.info]
@@ -245,20 +253,10 @@ class FeatureDrafter:
         return HeadRows(KVCache(self._draft_model(state).kv, state.max_len))
 
     def begin(self, states: list[DecodeState]) -> None:
-        """Keep the target's features from position 0 on; a fresh head cache per request.
-        ``trees=measured`` on a CPU: the target's row probe gives the prices; a target whose
-        ``model.min_rows`` was given, not probed, is probed here once (its row padding
-        unchanged)."""
+        """Keep the target's features from position 0 on; a fresh head cache per request."""
         for st in states:
             st.session(self.lm).retain_final_from(0)
             self._rows.set(st, self._new_rows(st))
-        if self.trees == "measured" and self.branches > 1 and states:
-            target = self._draft_model(states[0]).target
-            if target.device.type == "cpu" and not isinstance(target.row_probe, RowProbe):
-                target.row_probe = probe_min_rows(target)
-                log.info("%s: trees=measured prices rows by the probe, ms by rows %s",
-                         target.info.name,
-                         {r: round(t * 1e3, 2) for r, t in target.row_probe.seconds.items()})
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in states]

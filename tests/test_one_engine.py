@@ -306,16 +306,16 @@ def test_measured_trees_follow_their_gain_and_the_probe(cost, target, feature_he
 
 def test_measured_trees_probe_a_target_that_was_not_probed(target, feature_head):
     """A target whose ``min_rows`` was given has no prices: ``trees=measured`` probes it
-    when requests begin, leaving its row padding as it was.  A packed model gets every row
+    when the drafter is built, leaving its row padding as it was.  A packed model gets every row
     count timed (the warm-up then drafts trees); an unpacked one nothing (no row count is
     paid for: chains only)."""
     hf, lm = target
     assert lm.row_probe is None and lm.min_rows == 1
     try:
         draft = FeatureDrafter(lm, head=feature_head, k=2, branches=2, trees="measured")
+        probe = lm.row_probe
         pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
         gens, _ = decode(pipe, 1, "contiguous", PROMPTS[:2], MAX_NEW)
-        probe = lm.row_probe
         assert isinstance(probe, RowProbe)
         assert sorted(probe.seconds) == ([1, 2, 3, 4, 5, 6] if lm.packed else [])
         assert lm.min_rows == 1
