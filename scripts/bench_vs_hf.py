@@ -37,7 +37,7 @@ from specflow.cpu import probe_cpu, resolve_dtype  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
-from specflow.models.row_padding import probe_min_rows  # noqa: E402
+from specflow.models.row_padding import row_probe  # noqa: E402
 from specflow.runner import build_prompt  # noqa: E402
 from specflow.scheduler import generate  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
@@ -234,7 +234,7 @@ def main() -> None:
     padded_models = [m.lm for m in (target, drafter) if m is not None]
     padded_rows = args.min_rows  # the <method>_rows variants' row count (0: probe it)
     if padded_rows == 0:
-        probe = probe_min_rows(target.lm)
+        probe = row_probe(target.lm)  # the one probe (a measured tree drafter reads it)
         padded_rows = probe.chosen
         print(f"row probe (ms by rows): "
               f"{ {r: round(t * 1e3, 2) for r, t in probe.seconds.items()} } -> {padded_rows}")

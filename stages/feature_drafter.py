@@ -65,7 +65,7 @@ from specflow.models.feature_head import (
 )
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
-from specflow.models.row_padding import RowProbe, probe_min_rows
+from specflow.models.row_padding import RowProbe, row_probe
 from specflow.protocols import ModelUse
 from specflow.sampling import choose
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
@@ -227,14 +227,11 @@ class FeatureDrafter:
         self._rows: RequestLocal[HeadRows] = RequestLocal(self._new_rows)
         self.tree_gain = TreeGain()  # trees=measured: what verified trees showed
         self._trees_paid: bool | None = None  # its last decision (logged when it changes)
-        if (trees == "measured" and branches > 1 and self.lm.device.type == "cpu"
-                and not isinstance(self.lm.row_probe, RowProbe)):
+        if trees == "measured" and branches > 1 and self.lm.device.type == "cpu":
             # The prices of rows: a target whose model.min_rows was given, not probed, is
             # probed once here (about a second; its row padding unchanged, the run summary's
             # row_padding shows the milliseconds).
-            self.lm.row_probe = probe_min_rows(self.lm)
-            log.info("%s: trees=measured prices rows by the probe, ms by rows %s", name,
-                     {r: round(t * 1e3, 2) for r, t in self.lm.row_probe.seconds.items()})
+            row_probe(self.lm)
 
     def models(self) -> list[ModelInfo]:
         return [self.lm.info]
@@ -396,20 +393,20 @@ class FeatureDrafter:
             return True
         chains = sum(1 + n for n in asked)
         with_trees = sum(1 + n * self._width(st, n) for st, n in zip(states, asked, strict=True))
-        if with_trees <= max(dm.target.min_rows, chains):
+        chain_rows = max(dm.target.min_rows, chains)  # what the target runs with chains
+        if with_trees <= chain_rows:
             return True
-        if self.trees == "measured":
-            probe = dm.target.row_probe
-            pays = self.tree_gain.pays(max(dm.target.min_rows, chains), with_trees,
-                                       probe if isinstance(probe, RowProbe) else None)
-            if pays != self._trees_paid:  # the decision changed: say why, once
-                self._trees_paid = pays
-                log.info("trees=measured: %s at %d verify rows against %d (tokens per round "
-                         "%.3f times the chain's over %d trees)", "trees" if pays else "chains",
-                         with_trees, max(dm.target.min_rows, chains), self.tree_gain.gain,
-                         self.tree_gain.trees_seen)
-            return pays
-        return False
+        if self.trees != "measured":
+            return False
+        probe = dm.target.row_probe
+        pays = self.tree_gain.pays(chain_rows, with_trees,
+                                   probe if isinstance(probe, RowProbe) else None)
+        if pays != self._trees_paid:  # the decision changed: say why, once
+            self._trees_paid = pays
+            log.info("trees=measured: %s at %d verify rows against %d (tokens per round %.3f "
+                     "times the chain's over %d trees)", "trees" if pays else "chains",
+                     with_trees, chain_rows, self.tree_gain.gain, self.tree_gain.trees_seen)
+        return pays
 
     def _width(self, state: DecodeState, asked: int) -> int:
         """The branches a request drafts this round: ``branches`` for a greedy request whose

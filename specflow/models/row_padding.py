@@ -107,12 +107,19 @@ def apply_min_rows(lm: object, setting: int | None) -> None:
     if setting is not None:
         lm.min_rows = setting
         return
+    lm.min_rows = row_probe(lm).chosen
+
+
+def row_probe(lm: NativeLM) -> RowProbe:
+    """``lm``'s row probe (``probe_min_rows``), run once per model and process (kept in
+    ``lm.row_probe``, logged); its row padding is left as it is."""
     probe = lm.row_probe
     if not isinstance(probe, RowProbe):
         probe = lm.row_probe = probe_min_rows(lm)
-        log.info("%s: packed matmul ms by rows %s -> min_rows %d", lm.info.name,
-                 {r: round(s * 1e3, 2) for r, s in probe.seconds.items()}, probe.chosen)
-    lm.min_rows = probe.chosen
+        log.info("%s: packed matmul ms by rows %s (fastest beyond the margin: %d)",
+                 lm.info.name, {r: round(s * 1e3, 2) for r, s in probe.seconds.items()},
+                 probe.chosen)
+    return probe
 
 
 def row_padding_info(lm: object) -> dict[str, object]:

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 HEADS=${HEADS:-null}
 source docs/data/issue24/bench_common.sh
-HEAD=${HEAD:-outputs/train_heads/feature_magpie3/feature_head.safetensors}
+HEAD=${HEAD:-$MAGPIE3}
 EAGLE="+experiment=eagle drafter.head=$HEAD"
 bench "${OUT:-outputs/issue23/table_s8}" "$TABLE_IDS" 128 \
   --method plain "+experiment=ar" \

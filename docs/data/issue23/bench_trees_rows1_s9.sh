@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 HEADS=${HEADS:-null}
 source docs/data/issue24/bench_common.sh
-HEAD=${HEAD:-outputs/train_heads/feature_magpie3/feature_head.safetensors}
+HEAD=${HEAD:-$MAGPIE3}
 EAGLE_PLD="+experiment=eagle_pld drafter.then.head=$HEAD model.min_rows=1"
 bench "${OUT:-outputs/issue23/trees_rows1_s9}" "$TABLE_IDS" 128 \
   --method plain "+experiment=ar model.min_rows=1" \

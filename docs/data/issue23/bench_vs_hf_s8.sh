@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/data/issue24/bench_common.sh
-NEW_FT5=${MAGPIE3:-outputs/train_heads/feature_magpie3/feature_head.safetensors} vs_hf \
+NEW_FT5=$MAGPIE3 vs_hf \
   --feature-k 2 --feature-tree 2 2 --feature-trees always --min-rows 0 \
   --only ours_ar ours_eagle_pld_rows ours_eagle_pld_tree_rows hf_pld \
   --out "${OUT:-docs/data/issue23/bench_vs_hf_s8.json}" "$@"

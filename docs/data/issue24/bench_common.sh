@@ -12,6 +12,8 @@ NEW_FT5=${NEW_FT5:-outputs/train_heads/feature_sb_s3_ft5/feature_head.safetensor
 # the feature head on the Spec-Bench answers + 319 prompts the target wrote itself (#23,
 # 2026-12-02, fifth session: head.data.magpie_prompts=512)
 MAGPIE=${MAGPIE:-outputs/train_heads/feature_sb_magpie/feature_head.safetensors}
+# the feature head on 1,280 self-written draws (#23, 2026-12-03, eighth session: 43.8 %)
+MAGPIE3=${MAGPIE3:-outputs/train_heads/feature_magpie3/feature_head.safetensors}
 # two held-out Spec-Bench questions per category, none trained on by any head (the table)
 TABLE_IDS="[101,125,173,197,245,269,341,365,413,437,485,509]"
 # one more held-out question per category, not in the table (choosing the exits)

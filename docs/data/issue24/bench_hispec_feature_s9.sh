@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 HEADS=${HEADS:-outputs/train_heads/mlp7_magpie3/heads.safetensors}
 source docs/data/issue24/bench_common.sh
-HEAD=${HEAD:-outputs/train_heads/feature_magpie3/feature_head.safetensors}
+HEAD=${HEAD:-$MAGPIE3}
 HISPEC="+experiment=hispec_feature drafter.head=$HEAD"
 EAGLE_PLD="+experiment=eagle_pld drafter.then.head=$HEAD"
 bench "${OUT:-outputs/issue24/table_s9}" "$TABLE_IDS" 128 \
