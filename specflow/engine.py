@@ -272,7 +272,9 @@ class SpeculativePipeline:
                 self.draft_length.observe(
                     st, draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
                 )
-            st.stats.record_round(self.level, drafted, accepted)
+            st.stats.record_round(
+                self.level, drafted, accepted, tree=draft.parents is not None
+            )
             new = draft.accepted_tokens(verdict) + [verdict.next_token]
             st.tokens.extend(new)
             out.append((new, lg))

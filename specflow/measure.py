@@ -72,6 +72,7 @@ def generation_metrics(
         time_per_stage=times,
         k_per_round=asked,
         rounds_skipped=sum(1 for k in asked if k == 0),
+        tree_rounds=sum(g.stats.tree_rounds for g in gens),
         drafted_per_round=[k for g in gens for k in g.stats.drafted_per_round],
         accepted_per_round=[a for g in gens for a in g.stats.accepted_per_round],
         pool=pool_metrics(gens),

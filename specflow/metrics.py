@@ -14,7 +14,7 @@ throughput/speedup        ``speedup`` (also ``throughput/speedup_median``)
 accept/tau                ``tau`` = 1 + accepted / rounds
 accept/rate               ``acceptance_rate``; ``accept/rate/<level>`` per level
 accept/drafted, accepted  token counts
-count/...                 ``rounds``, ``target_calls``, ``new_tokens``, ``requests``...
+count/...                 ``rounds``, ``target_calls``, ``tree_rounds``, ``new_tokens``...
 time/<stage>_s            ``time_per_stage``; ``time/total_s``, ``time/baseline_s``
 quality/fidelity          ``fidelity`` (summary) or ``matches_baseline`` (record, 0/1)
 task/<name>               task scores of the method's output
@@ -52,6 +52,7 @@ SCALARS: dict[str, str] = {
     "accepted": "accept/accepted",
     "rounds": "count/rounds",
     "target_calls": "count/target_calls",
+    "tree_rounds": "count/tree_rounds",
     "new_tokens": "count/new_tokens",
     "baseline_tokens": "count/baseline_tokens",
     "num_requests": "count/requests",

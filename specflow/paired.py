@@ -10,8 +10,9 @@ the requests the reference (plain decoding) also decoded:
     per level         = Σ accepted / Σ drafted of each verification level
     fidelity          = share of requests whose every turn's tokens equal the reference's
 
-plus the seconds per stage (summed), the rounds each pool arm was chosen, and the speedup and
-τ per category.  A core module: it imports nothing from ``callbacks/`` or ``stages/``.
+plus the seconds per stage (summed), the rounds each pool arm was chosen, the rounds that
+verified a token tree (a tree drafter's choice), and the speedup and τ per category.  A core
+module: it imports nothing from ``callbacks/`` or ``stages/``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def paired_report(records: Mapping[str, list[RequestRecord]], reference: str) ->
                 b.metrics.total_s / r.metrics.total_s for r, b in pairs
             ),
             "tau": 1 + accepted / rounds if rounds else None,
+            "rounds": rounds,
+            "tree_rounds": sum(r.metrics.tree_rounds for r in recs),
             "acceptance": _ratio(accepted, drafted),
             "levels": {k: {"drafted": d, "accepted": a, "rate": _ratio(a, d)}
                        for k, (d, a) in levels.items()},
@@ -135,4 +138,7 @@ def paired_markdown(rep: dict[str, Any], requests: list[tuple[str, str]],
     arms = {n: m["arm_rounds"] for n, m in rep["methods"].items() if m["arm_rounds"]}
     for name, counts in arms.items():
         lines += ["", f"{name}: rounds per arm {counts}"]
+    for name, m in rep["methods"].items():
+        if m["tree_rounds"]:
+            lines += ["", f"{name}: {m['tree_rounds']} of {m['rounds']} rounds verified a tree"]
     return "\n".join(lines) + "\n"

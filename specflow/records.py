@@ -134,6 +134,8 @@ class RequestMetrics:
     ``levels``: ``{level: [drafted, accepted]}`` per verification level;
     ``time_per_stage``: seconds per stage (``prefill_s``... and ``nested/<level>/<stage>``);
     ``k_per_round``: the draft length asked each round (0: the round drafted nothing);
+    ``tree_rounds``: rounds whose draft was a token tree (a tree drafter's choice;
+    ``drafted`` counts a tree's every node, ``accepted`` its kept path);
     ``latency_s``: admission to finish (``total_s`` plus nothing at batch size 1);
     ``queued_s``: seconds the turns waited for a batch slot.
     """
@@ -151,6 +153,7 @@ class RequestMetrics:
     time_per_stage: dict[str, float]
     k_per_round: list[int]
     rounds_skipped: int
+    tree_rounds: int
     drafted_per_round: list[int]
     accepted_per_round: list[int]
     pool: PoolMetrics | None  # inline; a drafter pool only
@@ -163,8 +166,9 @@ class RequestMetrics:
 
     @classmethod
     def from_json(cls, data: Json) -> RequestMetrics:
-        """Also reads records older than some keys: ``k_per_round`` ``[]`` and
-        ``rounds_skipped`` 0 when missing, ``latency_s`` = ``total_s``, ``queued_s`` 0.0."""
+        """Also reads records older than some keys: ``k_per_round`` ``[]``,
+        ``rounds_skipped`` and ``tree_rounds`` 0 when missing, ``latency_s`` = ``total_s``,
+        ``queued_s`` 0.0."""
         return cls(
             new_tokens=data["new_tokens"],
             total_s=data["total_s"],
@@ -179,6 +183,7 @@ class RequestMetrics:
             time_per_stage=data["time_per_stage"],
             k_per_round=data.get("k_per_round", []),
             rounds_skipped=data.get("rounds_skipped", 0),
+            tree_rounds=data.get("tree_rounds", 0),
             drafted_per_round=data["drafted_per_round"],
             accepted_per_round=data["accepted_per_round"],
             pool=PoolMetrics.from_json(data) if "arms" in data else None,
@@ -258,7 +263,8 @@ class Aggregate:
     """Metrics over a set of request records: the whole run, or one category
     (``specflow.results.aggregate``; the module doc there says how each is pooled).
 
-    ``acceptance_by_level`` / ``accepted_by_level``: rate and accepted tokens per level.
+    ``acceptance_by_level`` / ``accepted_by_level``: rate and accepted tokens per level;
+    ``tree_rounds``: rounds that verified a token tree (of ``rounds``).
     The baseline fields are ``None`` unless every record has a baseline.  ``task`` and
     ``baseline_task`` (keyed ``task/<name>``) are written inline as ``task/<name>`` and
     ``baseline_task/<name>``; ``task_ci95``, ``baseline_task_ci95`` (95 % Wilson intervals
@@ -274,6 +280,7 @@ class Aggregate:
     target_calls: int
     drafted: int
     accepted: int
+    tree_rounds: int
     tau: float | None
     acceptance_rate: float | None
     acceptance_by_level: dict[str, float | None]
@@ -301,6 +308,7 @@ class Aggregate:
             target_calls=0,
             drafted=0,
             accepted=0,
+            tree_rounds=0,
             tau=None,
             acceptance_rate=None,
             acceptance_by_level={},
@@ -337,8 +345,8 @@ class Aggregate:
     @classmethod
     def from_json(cls, data: Json) -> Aggregate:
         """From a ``by_category`` entry or a summary's top level (other keys are ignored).
-        Also reads summaries older than ``accepted_by_level`` (``{}``) and than the task
-        intervals and pairs (``{}``)."""
+        Also reads summaries older than ``accepted_by_level`` (``{}``), than ``tree_rounds``
+        (0) and than the task intervals and pairs (``{}``)."""
         if not data["num_requests"]:
             return cls.empty()
         plain = f"baseline_{TASK_PREFIX}"
@@ -351,6 +359,7 @@ class Aggregate:
             target_calls=data["target_calls"],
             drafted=data["drafted"],
             accepted=data["accepted"],
+            tree_rounds=data.get("tree_rounds", 0),
             tau=data["tau"],
             acceptance_rate=data["acceptance_rate"],
             acceptance_by_level=data["acceptance_by_level"],

@@ -341,6 +341,7 @@ def aggregate(records: list[RequestRecord]) -> Aggregate:
         target_calls=sum(x.target_calls for x in m),
         drafted=drafted,
         accepted=accepted,
+        tree_rounds=sum(x.tree_rounds for x in m),
         tau=1.0 + accepted / rounds if rounds else None,
         acceptance_rate=_ratio(accepted, drafted),
         acceptance_by_level={k: _ratio(a, d) for k, (d, a) in levels.items()},

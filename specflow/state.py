@@ -159,6 +159,7 @@ class RoundStats:
     level_drafted: dict[str, int] = field(default_factory=dict)
     level_accepted: dict[str, int] = field(default_factory=dict)
     asked_per_round: list[int] = field(default_factory=list)  # see the glossary: asked
+    tree_rounds: int = 0  # rounds whose draft was a token tree (``Draft.parents``)
     drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
     # A drafter pool (MetaSD): per pool round, the chosen arm and its reward in [0, 1];
@@ -183,9 +184,11 @@ class RoundStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record_round(self, level: str, drafted: int, accepted: int) -> None:
-        """Count one verified round (one target call) at verification level ``level``."""
+    def record_round(self, level: str, drafted: int, accepted: int, tree: bool = False) -> None:
+        """Count one verified round (one target call) at verification level ``level``;
+        ``tree``: its draft was a token tree (``drafted`` counts every node)."""
         self.rounds += 1
+        self.tree_rounds += int(tree)
         self.drafted += drafted
         self.accepted += accepted
         self.drafted_per_round.append(drafted)

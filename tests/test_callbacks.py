@@ -87,6 +87,7 @@ def fake_record(i: int, category: str, task: dict[str, float] | None = None,
                         "verify_s": 0.2, "accept_s": 0.01, "other_s": total_s - 0.41},
         k_per_round=[3, 3, 3, 3],
         rounds_skipped=0,
+        tree_rounds=0,
         drafted_per_round=[3, 3, 3, 3],
         accepted_per_round=accepted,
         pool=pool,
@@ -641,7 +642,12 @@ def test_paired_report_against_the_reference():
     assert m["by_category"]["math_reasoning"] == {"speedup": 2.0, "tau": 2.5}
     assert m["time_per_stage_s"]["verify_s"] == pytest.approx(0.4)
     assert rep["methods"]["plain"]["speedup"] == 1.0
+    assert (m["rounds"], m["tree_rounds"]) == (8, 0)
     text = paired_markdown(rep, [("r0", "math_reasoning")], {"m": "+experiment=x"})
+    assert "verified a tree" not in text
+    treed = dc_replace(fast, metrics=dc_replace(fast.metrics, tree_rounds=3))
+    tree_text = paired_markdown(paired_report({"plain": plain, "t": [treed]}, "plain"), [], {})
+    assert "t: 3 of 4 rounds verified a tree" in tree_text
     # Rounds per pool arm: a request's arm_counts stop at the highest arm it chose, so a
     # shorter list adds as if padded with zeros, whatever the order.
     from specflow.paired import add_padded

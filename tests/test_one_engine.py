@@ -301,6 +301,8 @@ def test_measured_trees_follow_their_gain_and_the_probe(cost, target, feature_he
                                          if d % gain.explore == 0)
     assert n > gain.explore
     assert gain.trees_seen == (n if cost == 1.0 else explored)
+    # the engine's count of tree rounds (the run's records: ``tree_rounds``) agrees
+    assert sum(g.stats.tree_rounds for g in gens) == gain.trees_seen
     assert gain.tree_tokens >= gain.chain_tokens > 0
 
 

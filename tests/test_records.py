@@ -36,14 +36,14 @@ TURN_KEYS = ["prompt_tokens", "output_text", "output_tokens", "new_tokens", "tot
              "stop_reason"]
 METRIC_KEYS = ["new_tokens", "total_s", "tokens_per_s", "rounds", "target_calls", "drafted",
                "accepted", "tau", "acceptance_rate", "levels", "time_per_stage", "k_per_round",
-               "rounds_skipped", "drafted_per_round", "accepted_per_round"]
+               "rounds_skipped", "tree_rounds", "drafted_per_round", "accepted_per_round"]
 POOL_KEYS = ["arms", "arm_rewards", "arm_counts", "catchup_tokens", "catchup_s"]
 LATENCY_KEYS = ["latency_s", "queued_s"]
 BASELINE_KEYS = ["baseline_tokens", "baseline_s", "baseline_tokens_per_s", "baseline_cached",
                  "speedup", "matches_baseline"]
 META_KEYS = ["method", "target_model", "models", "config", "machine", "started", "output_dir"]
 AGGREGATE_KEYS = ["num_requests", "new_tokens", "total_s", "tokens_per_s", "rounds",
-                  "target_calls", "drafted", "accepted", "tau", "acceptance_rate",
+                  "target_calls", "drafted", "accepted", "tree_rounds", "tau", "acceptance_rate",
                   "acceptance_by_level", "accepted_by_level", "time_per_stage",
                   "baseline_tokens_per_s", "speedup", "speedup_median", "fidelity"]
 TASK_KEYS = ["task/bleu", "task_ci95", "baseline_task/bleu", "baseline_task_ci95", "task_paired",
@@ -149,12 +149,20 @@ def test_stored_run_folders_are_found():
 
 @pytest.mark.parametrize("run", STORED_RUNS, ids=lambda p: str(p.relative_to(ROOT / "docs")))
 def test_stored_run_folders_round_trip(run: Path):
-    """Every record of a stored run folder is rewritten byte for byte (key order included);
-    so is its summary, unless it predates ``accepted_by_level`` (then only that is added)."""
+    """Every record of a stored run folder is rewritten byte for byte (key order included),
+    but for ``tree_rounds`` (0) where it predates that key; so is its summary, unless it
+    predates ``accepted_by_level`` (then only that is added)."""
     for line in (run / "requests.jsonl").read_text().splitlines():
-        assert json.dumps(RequestRecord.from_json(json.loads(line)).to_json()) == line
+        data = json.loads(line)
+        out = RequestRecord.from_json(data).to_json()
+        if "tree_rounds" not in data["metrics"]:
+            assert out["metrics"].pop("tree_rounds") == 0
+        assert json.dumps(out) == line
     data = json.loads((run / "summary.json").read_text())
     out = RunSummary.from_json(data).to_json()
+    if "tree_rounds" not in data:
+        for agg in (out, *out["by_category"].values()):
+            assert agg.pop("tree_rounds", 0) == 0
     if "accepted_by_level" in data:
         assert json.dumps(out) == json.dumps(data)
     else:
@@ -165,8 +173,9 @@ def test_stored_run_folders_round_trip(run: Path):
         assert out == data
 
 
-OLD_METRICS = ("k_per_round", "rounds_skipped", "latency_s", "queued_s")  # added after v1
-OLD_SUMMARY = ("accepted_by_level", "task_ci95", "baseline_task_ci95", "task_paired", "batch")
+OLD_METRICS = ("k_per_round", "rounds_skipped", "tree_rounds", "latency_s", "queued_s")
+OLD_SUMMARY = ("accepted_by_level", "tree_rounds", "task_ci95", "baseline_task_ci95",
+               "task_paired", "batch")
 
 
 def test_old_format_files_still_read_and_resume(tmp_path):
@@ -175,7 +184,7 @@ def test_old_format_files_still_read_and_resume(tmp_path):
     old = []
     for data in _lines(run / "requests.jsonl")[:3]:
         for key in OLD_METRICS:
-            del data["metrics"][key]
+            data["metrics"].pop(key, None)  # the stored run predates some (tree_rounds)
         del data["baseline_task"]
         old.append(data)
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(d) + "\n" for d in old))
@@ -184,6 +193,7 @@ def test_old_format_files_still_read_and_resume(tmp_path):
     first, data = folder.records[0], old[0]
     assert first.metrics.latency_s == data["metrics"]["total_s"]
     assert first.metrics.queued_s == 0.0 and first.metrics.k_per_round == []
+    assert first.metrics.tree_rounds == 0
     assert first.baseline_task is None and first.task == data["task"]
     assert first.metrics.baseline is not None
     assert first.metrics.baseline.speedup == data["metrics"]["speedup"]
