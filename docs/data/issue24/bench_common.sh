@@ -14,6 +14,8 @@ NEW_FT5=${NEW_FT5:-outputs/train_heads/feature_sb_s3_ft5/feature_head.safetensor
 MAGPIE=${MAGPIE:-outputs/train_heads/feature_sb_magpie/feature_head.safetensors}
 # the feature head on 1,280 self-written draws (#23, 2026-12-03, eighth session: 43.8 %)
 MAGPIE3=${MAGPIE3:-outputs/train_heads/feature_magpie3/feature_head.safetensors}
+# the same data and recipe, five epochs instead of three (#23, 2026-12-03, tenth session)
+MAGPIE3_E5=${MAGPIE3_E5:-outputs/train_heads/feature_magpie3_e5/feature_head.safetensors}
 # two held-out Spec-Bench questions per category, none trained on by any head (the table)
 TABLE_IDS="[101,125,173,197,245,269,341,365,413,437,485,509]"
 # one more held-out question per category, not in the table (choosing the exits)
