@@ -353,8 +353,10 @@ def main() -> None:
         f"machine: {caps.describe()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
+    drafted_by = (f"drafter {args.drafter} ({args.drafter_dtype})" if args.drafter
+                  else "no draft model")
     print(
-        f"target {args.target}, drafter {args.drafter} ({args.drafter_dtype}); "
+        f"target {args.target}, {drafted_by}; "
         f"{len(prompts)} Spec-Bench prompts ({', '.join(r.category for r in requests)}), "
         f"max_new_tokens {args.max_new_tokens}, "
         f"greedy, median of {args.repeats} repeats"
