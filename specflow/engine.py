@@ -49,6 +49,7 @@ from specflow.protocols import (
     Acceptor,
     Drafter,
     DraftLengthPolicy,
+    DraftPart,
     IntermediateVerifier,
     ModelUse,
     TargetVerifier,
@@ -220,11 +221,18 @@ class SpeculativePipeline:
         the whole batched stage, so each is charged its full time.
         """
         asked = [0] * len(states)
+        parts = [""] * len(states)  # per request: the drafter's part a policy asks for
         if self.drafter is not None:
+            policy = self.draft_length
             for i, (st, budget) in enumerate(zip(states, budgets, strict=True)):
-                limit = draft_limit(self.drafter, budget - 1)
-                policy = self.draft_length
-                asked[i] = policy.choose(st, limit) if policy is not None and limit > 0 else limit
+                if policy is None:
+                    asked[i] = draft_limit(self.drafter, budget - 1)
+                    continue
+                # The policy asks the part that will draft, within that part's own k.
+                part = self.drafter.next_part(st)
+                parts[i] = part.key
+                limit = min(part.k, budget - 1)
+                asked[i] = policy.choose(st, limit, part.key) if limit > 0 else limit
         drafting = [i for i, n in enumerate(asked) if n > 0]
         t0 = self.clock()
         drafts = [Draft([]) for _ in states]
@@ -268,9 +276,11 @@ class SpeculativePipeline:
                 # is not a per-token drafting cost: leave it out of the policy's t_draft.
                 # Both are read from one clock (``DecodeState.clock`` is this ``clock``).
                 draft_s = max(0.0, t1 - t0 - draft.catchup_s) if n > 0 else 0.0
-                # A tree's nodes are not a longer draft: the policy sees its depth.
+                # A tree's nodes are not a longer draft: the policy sees its depth.  The
+                # evidence goes to the part that drafted (a plain round: the part asked).
                 self.draft_length.observe(
-                    st, draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s
+                    st, draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s,
+                    part=draft.part if n > 0 else parts[i],
                 )
             st.stats.record_round(
                 self.level, drafted, accepted, tree=draft.parents is not None
@@ -281,6 +291,11 @@ class SpeculativePipeline:
         return out
 
     # ------------------------------------------------------------------ as a drafter
+    def next_part(self, state: DecodeState) -> DraftPart:
+        """One part (``Drafter.next_part``): a nested pipeline drafts its ``k`` tokens."""
+        k = self.k or 0
+        return DraftPart("", k, k)
+
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         """Draft ``asked[i]`` tokens per request for an outer pipeline by running this
         pipeline's rounds (batched) until every request has its tokens.

@@ -41,6 +41,33 @@ class ModelUse:
     reads_only: bool = False
 
 
+@dataclass(frozen=True)
+class DraftPart:
+    """The part of a drafter that will draft a request's next round, known before it drafts
+    (``Drafter.next_part``), so a draft-length policy can keep apart what each part is
+    worth: a fallback drafter's prompt lookup (free, its copies accepted in long runs once
+    it matches) and its draft model or feature head (paid per token, accepted less often).
+
+    Attributes:
+        key: names the part within the drafter: ``""`` for a drafter of one part; a
+            fallback's ``"first"`` / ``"then"``, prefixed to its parts' own keys
+            (``"then.first"``).  ``Draft.part`` is the key of the part that drafted.
+        k: the most tokens that part drafts in one round (its ``Drafter.k``).
+        available: the most tokens it can draft for the request now, found without
+            drafting: ``k`` for a model drafter (it always drafts), the continuation of
+            the latest match for prompt lookup (0: no match).
+    """
+
+    key: str
+    k: int
+    available: int
+
+
+def sub_part(prefix: str, key: str) -> str:
+    """The key of part ``key`` of a drafter that is part ``prefix`` of another."""
+    return f"{prefix}.{key}" if key else prefix
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """Proposes draft tokens continuing each request's ``state.tokens``.
@@ -66,10 +93,16 @@ class Drafter(Protocol):
     def begin(self, states: list[DecodeState]) -> None:
         """New requests start (reset per-request state; prefill may happen here)."""
 
+    def next_part(self, state: DecodeState) -> DraftPart:
+        """The part that would draft the request's next round (``DraftPart``), without
+        drafting or changing any state; a drafter of one part: ``DraftPart("", k, k)``
+        (prompt lookup: its match's length as ``available``)."""
+
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         """Up to ``asked[i]`` tokens (``1 <= asked[i] <= k``; a tree draft: depth up to
         ``asked[i]``, ``Draft.parents``) continuing
-        ``states[i].tokens`` (fewer, even 0, is fine)."""
+        ``states[i].tokens`` (fewer, even 0, is fine).  A drafter of parts sets each
+        draft's ``Draft.part`` to the key of the part that drafted it."""
 
     def observe(
         self,
@@ -187,13 +220,15 @@ class DraftLengthPolicy(Protocol):
     round).
 
     Per request: its evidence lives in the request's state, so every sequence of a batch
-    has its own draft length."""
+    has its own draft length.  Per part: ``part`` is the key of the drafter's part that
+    drafts the round (``Drafter.next_part``; ``""`` for a drafter of one part), so a
+    policy may keep each part's evidence apart (a fallback's prompt lookup and its head)."""
 
     def begin(self, state: DecodeState) -> None: ...
 
-    def choose(self, state: DecodeState, limit: int) -> int:
-        """The asked draft length, in ``0..limit`` (``limit = min(drafter.k, budget - 1)``,
-        >= 1)."""
+    def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
+        """The asked draft length, in ``0..limit`` (``limit = min(part's k, budget - 1)``,
+        >= 1), for a round drafted by ``part``."""
 
     def observe(
         self,
@@ -203,9 +238,12 @@ class DraftLengthPolicy(Protocol):
         draft_s: float,
         verify_s: float,
         catchup_s: float = 0.0,
+        part: str = "",
     ) -> None:
         """What the round did: tokens drafted and accepted, seconds drafting (without the
-        drafter's catch-up) and verifying, and seconds the drafter spent catching up."""
+        drafter's catch-up) and verifying, and seconds the drafter spent catching up;
+        ``part``: the part that drafted (``Draft.part``), or, for a plain round, the part
+        the policy chose 0 for."""
 
 
 @runtime_checkable

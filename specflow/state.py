@@ -69,12 +69,15 @@ class Draft:
             ``drafted`` counts them all.  The target verifies every node in one forward
             (``ModelSession.set_tree``) and the acceptor keeps one root-to-node path
             (``Acceptance.path``).
+        part: the key of the drafter's part that drafted it (``DraftPart.key``; ``""``
+            for a drafter of one part), what a draft-length policy keeps its evidence by.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     catchup_s: float = 0.0
     parents: list[int] | None = None
+    part: str = ""
 
     @property
     def depth(self) -> int:

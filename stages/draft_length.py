@@ -37,9 +37,19 @@ drafting from its own predicted features: about 0.2 against 0.32, ``docs/benchma
 the pooled estimate with ``position_strength`` pseudo-positions, so a position tried rarely
 (a deep one) behaves as the geometric model until its own evidence counts.
 
-A new request inherits the previous request's times and, shrunk to ``prior_strength``
-positions, its acceptance evidence: short answers would otherwise be over before the model
-has learned anything.
+Per part of the drafter (``Drafter.next_part``): a fallback drafter is two drafters, prompt
+lookup where the context has a match and a head or draft model elsewhere, and their drafts
+are worth different lengths (a copy, once it matches, is accepted far more often than a
+head's token, and costs nothing to draft).  Each request keeps one cost model per part,
+chosen with and fed by that part's rounds only, so the copies are asked for at their own
+length and the head at its own.  t1 (and with it the plain rounds) is the target's: a plain
+round updates every part's t1; the part that sat out counts it in its ``plain_streak``.  A
+drafter of one part has one model.  ``by_part: false`` pools every part in one model (the
+policy before parts, kept to measure against).
+
+A new request inherits, per part, the previous request's times and, shrunk to
+``prior_strength`` positions, its acceptance evidence: short answers would otherwise be over
+before the model has learned anything.
 After ``probe_every`` plain rounds in a row it drafts one token to re-measure a skipped
 drafter (cost: ~1/probe_every of a token); with ``idle_discount < 1`` each plain round also
 shrinks the acceptance evidence (pooled and per position) by that factor, so the longer a
@@ -71,7 +81,7 @@ class FixedDraftLength:
     def begin(self, state: DecodeState) -> None:
         pass
 
-    def choose(self, state: DecodeState, limit: int) -> int:
+    def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         return limit
 
     def observe(
@@ -82,24 +92,27 @@ class FixedDraftLength:
         draft_s: float,
         verify_s: float,
         catchup_s: float = 0.0,
+        part: str = "",
     ) -> None:
         pass
 
 
 class HeuristicDraftLength:
-    """HF's assisted-generation schedule: k += 2 after full acceptance, else k -= 1 (>= 1)."""
+    """HF's assisted-generation schedule: k += 2 after full acceptance, else k -= 1 (>= 1);
+    one k per part of the drafter."""
 
     def __init__(self, initial: int = 4) -> None:
         if initial < 1:
             raise ConfigError(f"draft_length.initial must be >= 1, got {initial}")
         self.initial = initial
-        self._k: RequestLocal[list[int]] = RequestLocal(lambda _state: [self.initial])
+        # Per request: each part's current k.
+        self._k: RequestLocal[dict[str, int]] = RequestLocal(lambda _state: {})
 
     def begin(self, state: DecodeState) -> None:
-        self._k.set(state, [self.initial])
+        self._k.set(state, {})
 
-    def choose(self, state: DecodeState, limit: int) -> int:
-        return min(self._k.get(state)[0], limit)
+    def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
+        return min(self._k.get(state).get(part, self.initial), limit)
 
     def observe(
         self,
@@ -109,11 +122,13 @@ class HeuristicDraftLength:
         draft_s: float,
         verify_s: float,
         catchup_s: float = 0.0,
+        part: str = "",
     ) -> None:
         if drafted == 0:
             return
-        k = self._k.get(state)
-        k[0] = k[0] + 2 if accepted == drafted else max(1, k[0] - 1)
+        ks = self._k.get(state)
+        k = ks.get(part, self.initial)
+        ks[part] = k + 2 if accepted == drafted else max(1, k - 1)
 
 
 @dataclass
@@ -218,6 +233,8 @@ class AdaptiveDraftLength:
             ``per_position`` (alpha_j per position, shrunk towards the pooled one; module doc).
         position_strength: with ``per_position``, the pseudo-positions at the pooled mean
             that each position's estimate starts from.
+        by_part: one cost model per part of the drafter (``Drafter.next_part``; module
+            doc); false: one for all parts, whichever drafts.
     """
 
     def __init__(
@@ -232,6 +249,7 @@ class AdaptiveDraftLength:
         idle_discount: float = 1.0,
         acceptance: str = "geometric",
         position_strength: float = 2.0,
+        by_part: bool = True,
     ) -> None:
         if acceptance not in ACCEPTANCE_MODELS:
             raise ConfigError(
@@ -244,6 +262,7 @@ class AdaptiveDraftLength:
             )
         self.acceptance = acceptance
         self.position_strength = position_strength
+        self.by_part = by_part
         if not 0.0 < discount <= 1.0:
             raise ConfigError(f"draft_length.discount must be in (0, 1], got {discount}")
         if not 0.0 < idle_discount <= 1.0:
@@ -258,18 +277,24 @@ class AdaptiveDraftLength:
         self.probe_every = probe_every
         self.prior_strength = prior_strength
         self.probe_budget = probe_budget
-        self._last: CostModel | None = None  # the latest request's model (prior of the next)
-        self._model: RequestLocal[CostModel] = RequestLocal(
-            lambda _state: CostModel(beta=self.beta_prior)
-        )
+        # Per part: the model of the latest request that part drafted for (the next
+        # request's prior for that part).
+        self._last: dict[str, CostModel] = {}
+        # Per request: one cost model per part of the drafter (module doc).
+        self._models: RequestLocal[dict[str, CostModel]] = RequestLocal(lambda _state: {})
 
     def begin(self, state: DecodeState) -> None:
-        """A new request starts from what earlier requests of this run measured: the times
-        as they were, the acceptance evidence shrunk to ``prior_strength`` positions."""
-        prev = self._last
+        """A new request starts with no part's model; each is made on the part's first
+        round (``cost_model``)."""
+        self._models.set(state, {})
+
+    def _inherit(self, part: str) -> CostModel:
+        """A part's model for a new request: what earlier requests of this run measured
+        for that part, the times as they were and the acceptance evidence shrunk to
+        ``prior_strength`` positions (a fresh model for a part not seen yet)."""
+        prev = self._last.get(part)
         if prev is None:
-            self._model.set(state, CostModel(beta=self.beta_prior))
-            return
+            return CostModel(beta=self.beta_prior)
         scale = min(1.0, self.prior_strength / prev.tried) if prev.tried > 0 else 0.0
         model = CostModel(
             tried=prev.tried,
@@ -282,14 +307,26 @@ class AdaptiveDraftLength:
             pos_accepted=list(prev.pos_accepted),
         )
         model.scale_evidence(scale)
-        self._model.set(state, model)
+        return model
 
-    def cost_model(self, state: DecodeState) -> CostModel:
-        """The request's online estimates."""
-        return self._model.get(state)
+    def cost_model(self, state: DecodeState, part: str = "") -> CostModel:
+        """The request's online estimates for ``part`` of the drafter, made on first use.
+        t1 is the target's, so a part's new model takes a measured t1 from its siblings."""
+        if not self.by_part:
+            part = ""
+        models = self._models.get(state)
+        model = models.get(part)
+        if model is None:
+            model = self._inherit(part)
+            measured = [m for m in models.values() if m.t1_measured]
+            if measured:
+                model.t1, model.t1_measured = measured[0].t1, True
+                model.refit_beta()
+            models[part] = model
+        return model
 
-    def choose(self, state: DecodeState, limit: int) -> int:
-        m = self._model.get(state)
+    def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
+        m = self.cost_model(state, part)
         if m.t1 is None or m.t_draft is None:
             return limit  # measure a drafting round first (t1 comes from k = 0 or is derived)
         if not m.t1_measured:
@@ -336,20 +373,24 @@ class AdaptiveDraftLength:
         draft_s: float,
         verify_s: float,
         catchup_s: float = 0.0,
+        part: str = "",
     ) -> None:
-        m = self._model.get(state)
-        self._last = m
+        if not self.by_part:
+            part = ""
+        m = self.cost_model(state, part)
+        self._last[part] = m
         w = self.ema
 
         def smooth(old: float | None, new: float) -> float:
             return new if old is None else (1 - w) * old + w * new
 
-        if drafted == 0:  # a plain round measures t1
-            m.t1 = verify_s if not m.t1_measured else smooth(m.t1, verify_s)
-            m.t1_measured = True
-            m.plain_streak += 1
+        if drafted == 0:  # a plain round measures t1: the target's, every part's
+            for other in self._models.get(state).values():
+                other.t1 = verify_s if not other.t1_measured else smooth(other.t1, verify_s)
+                other.t1_measured = True
+                other.refit_beta()
+            m.plain_streak += 1  # the part that sat out
             m.scale_evidence(self.idle_discount)
-            m.refit_beta()
             return
         m.plain_streak = 0
         behind = len(state.tokens) - (m.synced_at or 0)

@@ -9,6 +9,11 @@ Lossless with any acceptor: the target verifies whichever draft a request got; a
 from ``first`` without distributions is one-hot (exact for prompt lookup).  The idle
 drafter's model session falls behind while ``first`` drafts and catches up on its next
 draft (timed apart, ``Draft.catchup_s``).
+
+Two parts for a draft-length policy (``Drafter.next_part``): ``"first"`` where ``first``
+has a draft of ``min_tokens`` for the request (prompt lookup: a match), else ``"then"``, so
+an adaptive policy asks prompt lookup's copies for their own length, learned from their
+own acceptance, and the head or draft model for its own, instead of one length for both.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
-from specflow.protocols import Drafter, ModelUse, draft_limit
+from specflow.protocols import Drafter, DraftPart, ModelUse, draft_limit, sub_part
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
 
@@ -56,14 +61,26 @@ class FallbackDrafter:
         self.first.begin(states)
         self.then.begin(states)
 
+    def next_part(self, state: DecodeState) -> DraftPart:
+        """``first``'s part where it has ``min_tokens`` tokens available, else ``then``'s
+        (keys prefixed ``first`` / ``then``)."""
+        part = self.first.next_part(state)
+        prefix = "first"
+        if part.available < self.min_tokens:
+            part, prefix = self.then.next_part(state), "then"
+        return DraftPart(sub_part(prefix, part.key), part.k, part.available)
+
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         drafts = self.first.propose(states, [draft_limit(self.first, n) for n in asked])
+        for draft in drafts:
+            draft.part = sub_part("first", draft.part)
         short = [i for i, d in enumerate(drafts) if len(d.tokens) < self.min_tokens]
         if short:
             more = self.then.propose(
                 [states[i] for i in short], [draft_limit(self.then, asked[i]) for i in short]
             )
             for i, draft in zip(short, more, strict=True):
+                draft.part = sub_part("then", draft.part)
                 drafts[i] = draft
         handed_on = set(short)
         for i, st in enumerate(states):

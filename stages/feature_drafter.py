@@ -66,7 +66,7 @@ from specflow.models.feature_head import (
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
 from specflow.models.row_padding import RowProbe, row_probe
-from specflow.protocols import ModelUse
+from specflow.protocols import DraftPart, ModelUse
 from specflow.sampling import choose
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
@@ -254,6 +254,10 @@ class FeatureDrafter:
         for st in states:
             st.session(self.lm).retain_final_from(0)
             self._rows.set(st, self._new_rows(st))
+
+    def next_part(self, state: DecodeState) -> DraftPart:
+        """One part, drafting its k whenever asked (``Drafter.next_part``)."""
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in states]

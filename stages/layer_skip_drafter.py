@@ -16,7 +16,7 @@ from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
 from specflow.models.views import LayerSkipView
-from specflow.protocols import ModelUse
+from specflow.protocols import DraftPart, ModelUse
 from specflow.state import Acceptance, DecodeState, Draft
 
 
@@ -40,6 +40,10 @@ class LayerSkipDrafter:
 
     def begin(self, states: list[DecodeState]) -> None:
         catch_up(states, self.view, self.view.info.num_layers)
+
+    def next_part(self, state: DecodeState) -> DraftPart:
+        """One part, drafting its k whenever asked (``Drafter.next_part``)."""
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         return draft_with_model(states, self.view, self.view.info.num_layers, asked)

@@ -17,7 +17,7 @@ from specflow.drafting import SubVocabHead, draft_with_model
 from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
-from specflow.protocols import ModelUse
+from specflow.protocols import DraftPart, ModelUse
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
 
@@ -90,6 +90,10 @@ class ModelDrafter:
         drafts (k = 0 throughout) never pays for it."""
         for st in states:
             self._subvocab.set(st, self._build_subvocab(st))
+
+    def next_part(self, state: DecodeState) -> DraftPart:
+        """One part, drafting its k whenever asked (``Drafter.next_part``)."""
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         subvocabs = [self._subvocab.get(st) for st in states]

@@ -12,7 +12,7 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
-from specflow.protocols import ModelUse
+from specflow.protocols import DraftPart, ModelUse
 from specflow.state import Acceptance, DecodeState, Draft
 
 
@@ -65,6 +65,11 @@ class PLDDrafter:
 
     def uses(self) -> list[ModelUse]:
         return []
+
+    def next_part(self, state: DecodeState) -> DraftPart:
+        """One part; ``available``: the tokens the latest match continues with (0: none)."""
+        found = lookup_continuation(state.tokens, self.k, self.max_ngram, self.min_ngram)
+        return DraftPart("", self.k, len(found))
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         return [

@@ -66,7 +66,14 @@ import torch
 from specflow.catchup import CatchUp, catch_up, positions_behind
 from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
-from specflow.protocols import BanditStats, Drafter, ModelUse, Selector, draft_limit
+from specflow.protocols import (
+    BanditStats,
+    Drafter,
+    DraftPart,
+    ModelUse,
+    Selector,
+    draft_limit,
+)
 from specflow.sampling import warp
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
@@ -217,6 +224,11 @@ class PoolDrafter:
             arm.begin(states)
         for st in states:
             self._request.set(st, PoolRequest(self.selector.begin(len(self.arms))))
+
+    def next_part(self, state: DecodeState) -> DraftPart:
+        """One part: the selector chooses the arm inside ``propose``, after the length is
+        asked (``Drafter.next_part``)."""
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         """Each request's selector picks its arm; each arm drafts for its requests at once."""

@@ -39,6 +39,7 @@ from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.metrics import flatten_record, flatten_summary
+from specflow.protocols import DraftPart
 from specflow.records import (
     BaselineMetrics,
     PoolMetrics,
@@ -325,6 +326,9 @@ class _CrashingDrafter:
 
     def begin(self, states) -> None:
         self.requests += len(states)
+
+    def next_part(self, state):
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states, ks):
         if self.requests == 2:

@@ -16,7 +16,7 @@ from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.stores import KVStores
-from specflow.protocols import Pipeline, draft_limit
+from specflow.protocols import DraftPart, Pipeline, draft_limit
 from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
 from stages.early_exit_verifier import EarlyExitVerifier
@@ -66,6 +66,9 @@ class Asked:
 
     def observe(self, states, drafts, target_logits, verdicts):
         pass
+
+    def next_part(self, state):
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states, asked):
         self.calls.append(list(asked))
@@ -236,10 +239,10 @@ class _RecordingPolicy:
     def begin(self, state):
         pass
 
-    def choose(self, state, limit):
+    def choose(self, state, limit, part=""):
         return limit
 
-    def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0):
+    def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part=""):
         if drafted:
             self.draft_s.append(draft_s)
             self.catchup_s.append(catchup_s)

@@ -12,6 +12,7 @@ from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.stores import KVStores
+from specflow.protocols import DraftPart
 from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
 from stages.draft_length import (
@@ -20,7 +21,9 @@ from stages.draft_length import (
     expected_tokens,
     expected_tokens_by_position,
 )
+from stages.fallback_drafter import FallbackDrafter
 from stages.full_verifier import FullVerifier
+from stages.pld_drafter import PLDDrafter
 from tests.conftest import hf_greedy
 from tests.test_engine_greedy import OracleDrafter
 
@@ -107,6 +110,108 @@ def test_a_new_request_inherits_the_previous_evidence():
     assert fresh.choose(state, 8) > 0  # Beta(1, 1): optimistic again
 
 
+def alternate_parts(policy, key_of) -> dict[str, list[int]]:
+    """200 synthetic rounds alternating a fallback's copier (part ``first``: every token
+    accepted) and its head (``then``: none), each fed to the policy under ``key_of(part)``;
+    returns the k chosen per part."""
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    chosen: dict[str, list[int]] = {"first": [], "then": []}
+    for r in range(200):
+        part = "first" if r % 2 == 0 else "then"
+        k = policy.choose(state, 8, key_of(part))
+        chosen[part].append(k)
+        accepted = k if part == "first" else 0
+        policy.observe(state, k, accepted, k * 0.001, T1 * (1 + 0.1 * k), part=key_of(part))
+    return chosen
+
+
+def test_adaptive_keeps_each_part_of_a_drafter_apart():
+    """Per part, the copier is asked for its cap and the head for nothing (a 1-token
+    re-probe now and then); pooled (one key for both: alpha about 1/2), both are asked for
+    5-8 tokens: the copier's runs are cut and the head drafts tokens that all fail."""
+    apart = alternate_parts(AdaptiveDraftLength(), lambda part: part)
+    assert apart["first"] == [8, 0] + [8] * 98  # round 2: the plain round measuring t1
+    assert apart["then"][:7] == [8, 1, 1, 1, 1, 1, 1]
+    assert set(apart["then"][7:]) == {0, 1} and apart["then"].count(0) == 88
+    pooled = alternate_parts(AdaptiveDraftLength(), lambda part: "")
+    assert sum(pooled["first"]) == 526 and sum(apart["first"]) == 792
+    assert pooled["then"].count(0) == 1 and min(pooled["then"][1:]) == 5
+    assert alternate_parts(AdaptiveDraftLength(by_part=False), lambda part: part) == pooled
+
+
+def test_a_plain_round_measures_t1_for_every_part():
+    policy = AdaptiveDraftLength()
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    assert policy.choose(state, 4, "first") == 4  # no times yet: draft to measure them
+    policy.observe(state, 4, 4, 0.004, 0.014, part="first")
+    assert policy.choose(state, 4, "then") == 4
+    policy.observe(state, 4, 0, 0.004, 0.014, part="then")
+    assert policy.choose(state, 4, "then") == 0  # one plain round measures t1 ...
+    policy.observe(state, 0, 0, 0.0, T1, part="then")
+    for part in ("first", "then"):  # ... for both parts: the target's time
+        model = policy.cost_model(state, part)
+        assert model.t1 == T1 and model.t1_measured
+        assert model.beta == pytest.approx(0.1)  # (0.014 / 0.010 - 1) / 4
+    assert policy.cost_model(state, "then").plain_streak == 1
+    assert policy.cost_model(state, "first").plain_streak == 0
+    assert policy.choose(state, 4, "first") == 4  # no second plain round for "first"
+    later = AdaptiveDraftLength()
+    later.begin(state)
+    later.observe(state, 0, 0, 0.0, T1, part="then")
+    assert later.cost_model(state, "first").t1 == T1  # a part made later takes it too
+
+
+class _PartRecorder:
+    """Fixed k; per round, the (part, limit) it was asked for (None: not asked, limit 0)
+    and the part and draft length it was told about."""
+
+    def __init__(self) -> None:
+        self.asked: tuple[str, int] | None = None
+        self.rounds: list[tuple[tuple[str, int] | None, str, int]] = []
+
+    def begin(self, state: DecodeState) -> None:
+        pass
+
+    def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
+        self.asked = (part, limit)
+        return limit
+
+    def observe(
+        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part=""
+    ) -> None:
+        self.rounds.append((self.asked, part, drafted))
+        self.asked = None
+
+
+def test_the_engine_asks_and_tells_the_policy_by_part(tiny_target):
+    """Prompt lookup where the context repeats, the oracle elsewhere: the engine asks for
+    each round's length within the part's own k and reports the round to the same part."""
+    hf, lm = tiny_target
+    prompt = [1, 5, 9, 17, 33, 40, 5, 9]
+    truth = hf_greedy(hf, prompt, 40)
+    oracle = OracleDrafter(truth, len(prompt), lm.info.vocab_size, "always", k=2)
+    recorder = _PartRecorder()
+    pipe = SpeculativePipeline(
+        FullVerifier(lm), StandardAcceptor(),
+        drafter=FallbackDrafter(PLDDrafter(k=6, min_ngram=2), oracle),
+        draft_length=recorder,
+    )
+    gen = generate(pipe, prompt, 40)
+    assert gen.tokens == truth
+    assert len(recorder.rounds) == gen.stats.rounds
+    for asked, part, drafted in recorder.rounds:
+        if asked is None:  # one token left: nothing asked, a plain round
+            assert drafted == 0
+            continue
+        assert asked[0] == part  # told about the part it was asked for
+        assert asked[1] <= (6 if part == "first" else 2) and drafted <= asked[1]
+    parts = Counter(part for asked, part, _ in recorder.rounds if asked is not None)
+    assert set(parts) == {"first", "then"}
+    assert max(asked[1] for asked, *_ in recorder.rounds if asked and asked[0] == "first") == 6
+
+
 class _RecordingPolicy:
     """A fixed-k policy that records the draft seconds the engine reports."""
 
@@ -116,10 +221,12 @@ class _RecordingPolicy:
     def begin(self, state: DecodeState) -> None:
         pass
 
-    def choose(self, state: DecodeState, k_max: int) -> int:
+    def choose(self, state: DecodeState, k_max: int, part: str = "") -> int:
         return k_max
 
-    def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0) -> None:
+    def observe(
+        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part=""
+    ) -> None:
         if drafted:  # rounds that drafted (the last round of a budget may not)
             self.draft_s.append(draft_s)
 
@@ -146,6 +253,9 @@ class _CatchingUpDrafter:
 
     def begin(self, states: list[DecodeState]) -> None:
         pass
+
+    def next_part(self, state):
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
         self.clock_ticks[0] += 5

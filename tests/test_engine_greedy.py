@@ -9,6 +9,7 @@ from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, PromptTooLongError
 from specflow.models.native import NativeLM
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
+from specflow.protocols import DraftPart
 from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
 from stages.full_verifier import FullVerifier
@@ -51,6 +52,9 @@ class OracleDrafter:
 
     def observe(self, states, drafts, target_logits, verdicts) -> None:
         pass
+
+    def next_part(self, state):
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
         return [self._one(st, k) for st, k in zip(states, ks, strict=True)]

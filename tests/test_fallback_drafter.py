@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from specflow.errors import ConfigError
+from specflow.protocols import DraftPart
 from specflow.state import DecodeState, Draft
 from stages.fallback_drafter import FallbackDrafter
+from stages.pld_drafter import PLDDrafter
 
 
 class Scripted:
@@ -29,6 +31,10 @@ class Scripted:
 
     def uses(self):
         return []
+
+    def next_part(self, state):
+        found = len(self.table[state.tokens[0]][: self.k])
+        return DraftPart("", self.k, found)
 
     def propose(self, states, ks):
         self.proposed.append(([st.tokens[0] for st in states], list(ks)))
@@ -69,3 +75,33 @@ def test_second_drafter_idle_when_the_first_always_drafts():
 def test_min_tokens_must_be_positive():
     with pytest.raises(ConfigError, match="min_tokens"):
         FallbackDrafter(Scripted("a", 1, {}), Scripted("b", 1, {}), min_tokens=0)
+
+
+def test_next_part_names_the_part_that_will_draft_and_each_draft_carries_it():
+    first = Scripted("pld", 8, {1: [5, 6, 7], 2: [9], 3: []})
+    then = Scripted("model", 4, {1: [0], 2: [8, 8, 8, 8, 8], 3: [4, 4]})
+    pool = FallbackDrafter(first, then, min_tokens=2)
+    batch = states(1, 2, 3)
+    assert [pool.next_part(st) for st in batch] == [
+        DraftPart("first", 8, 3), DraftPart("then", 4, 4), DraftPart("then", 4, 2)
+    ]
+    assert first.proposed == then.proposed == []  # found without drafting
+    assert [d.part for d in pool.propose(batch, [8, 6, 3])] == ["first", "then", "then"]
+    # A fallback inside a fallback: the keys say the path.
+    nested = FallbackDrafter(Scripted("none", 2, {1: [], 2: []}), pool)
+    assert nested.next_part(batch[0]) == DraftPart("then.first", 8, 3)
+    assert nested.next_part(batch[1]) == DraftPart("then.then", 4, 4)
+    assert [d.part for d in nested.propose(batch[:2], [8, 8])] == ["then.first", "then.then"]
+
+
+def test_prompt_lookup_part_has_its_match_available():
+    pld = PLDDrafter(k=3, max_ngram=2, min_ngram=2)
+    repeats = DecodeState(tokens=[7, 1, 2, 3, 4, 5, 1, 2], prompt_len=8, max_len=32)
+    assert pld.next_part(repeats) == DraftPart("", 3, 3)  # 1 2 -> 3 4 5, cut to k
+    near_end = DecodeState(tokens=[4, 1, 2, 1, 2], prompt_len=5, max_len=32)
+    assert pld.next_part(near_end) == DraftPart("", 3, 2)  # 1 2 -> 1 2, the context's end
+    none = DecodeState(tokens=[1, 2, 3, 4], prompt_len=4, max_len=32)
+    assert pld.next_part(none) == DraftPart("", 3, 0)
+    assert [d.tokens for d in pld.propose([repeats, near_end, none], [3, 3, 3])] == [
+        [3, 4, 5], [1, 2], []
+    ]

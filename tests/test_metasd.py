@@ -14,6 +14,7 @@ from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.measure import generation_metrics
 from specflow.oracle import load_runs, oracle_report
+from specflow.protocols import DraftPart
 from specflow.scheduler import generate
 from specflow.state import Acceptance, DecodeState, Draft
 from stages.fixed_selector import FixedSelector
@@ -183,6 +184,9 @@ class StubDrafter:
 
     def observe(self, states, drafts, target_logits, verdicts) -> None:
         pass
+
+    def next_part(self, state):
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
         return [Draft(TOKENS[:k]) for k in ks]

@@ -16,6 +16,7 @@ from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.kv.stores import KVLayout
 from specflow.models.row_padding import RowProbe
+from specflow.protocols import DraftPart
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import Acceptance, DecodeState, Draft
@@ -158,6 +159,10 @@ def build(method: str, lm, draft_lm, feature_head: str | None = None) -> Specula
     if method == "pld_then_feature":  # prompt lookup, the feature head where it finds nothing
         return pipe(FallbackDrafter(PLDDrafter(k=5, min_ngram=2),
                                     FeatureDrafter(lm, head=feature_head, k=2)))
+    if method == "pld_then_feature_adaptive":  # a cost model per part (prompt lookup, head)
+        return pipe(FallbackDrafter(PLDDrafter(k=5, min_ngram=2),
+                                    FeatureDrafter(lm, head=feature_head, k=3)),
+                    draft_length=AdaptiveDraftLength())
     if method == "feature_adaptive":
         return pipe(FeatureDrafter(lm, head=feature_head, k=5),
                     draft_length=AdaptiveDraftLength())
@@ -184,6 +189,7 @@ METHODS = [
     "feature",
     "feature_adaptive",
     "pld_then_feature",
+    "pld_then_feature_adaptive",
     "metasd_eagle",
     "feature_tree",
     "pld_then_feature_tree",
@@ -423,6 +429,9 @@ class WrongDrafter:
 
     def observe(self, states, drafts, target_logits, verdicts) -> None:
         pass
+
+    def next_part(self, state):
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], ks: list[int]) -> list[Draft]:
         self.ticks[0] += 5  # drafting costs 5 clock ticks per batched call

@@ -12,6 +12,7 @@ from specflow.kv.contiguous import KVCache
 from specflow.kv.paged import PagedKVCache
 from specflow.kv.session import ModelSession, forward_logits
 from specflow.kv.tree import TreeLayout, path_rows
+from specflow.protocols import DraftPart
 from specflow.state import Draft
 from stages.fly_acceptor import FlyAcceptor
 from stages.full_verifier import FullVerifier
@@ -199,6 +200,9 @@ class _TreeOnce:
 
     def begin(self, states):
         pass
+
+    def next_part(self, state):
+        return DraftPart("", self.k, self.k)
 
     def propose(self, states, asked):
         return [Draft([3, 4], parents=[-1, -1]) for _ in states]
