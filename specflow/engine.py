@@ -265,7 +265,8 @@ class SpeculativePipeline:
             )
         t3 = self.clock()
         out = []
-        for st, n, draft, verdict, lg in zip(states, asked, drafts, verdicts, logits, strict=True):
+        rounds = zip(states, asked, parts, drafts, verdicts, logits, strict=True)
+        for st, n, part, draft, verdict, lg in rounds:
             st.stats.asked_per_round.append(n)
             st.times.draft_s += t1 - t0
             st.times.verify_s += t2 - t1
@@ -280,7 +281,7 @@ class SpeculativePipeline:
                 # evidence goes to the part that drafted (a plain round: the part asked).
                 self.draft_length.observe(
                     st, draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s,
-                    part=draft.part if n > 0 else parts[i],
+                    part=draft.part if n > 0 else part,
                 )
             st.stats.record_round(
                 self.level, drafted, accepted, tree=draft.parents is not None

@@ -11,9 +11,9 @@ from specflow.acceptance import StandardAcceptor
 from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.kv.stores import KVStores
+from specflow.kv.stores import KVLayout, KVStores
 from specflow.protocols import DraftPart
-from specflow.scheduler import generate
+from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import DecodeState, Draft
 from stages.draft_length import (
     AdaptiveDraftLength,
@@ -164,25 +164,26 @@ def test_a_plain_round_measures_t1_for_every_part():
 
 
 class _PartRecorder:
-    """Fixed k; per round, the (part, limit) it was asked for (None: not asked, limit 0)
-    and the part and draft length it was told about."""
+    """k = the limit, except 0 for the parts in ``skip``; per request, per round: the (part,
+    limit) it was asked for (None: not asked, limit 0) and the part and draft length it was
+    told about."""
 
-    def __init__(self) -> None:
-        self.asked: tuple[str, int] | None = None
-        self.rounds: list[tuple[tuple[str, int] | None, str, int]] = []
+    def __init__(self, skip: tuple[str, ...] = ()) -> None:
+        self.skip = skip
+        self.asked: dict[int, tuple[str, int] | None] = {}
+        self.rounds: dict[int, list[tuple[tuple[str, int] | None, str, int]]] = {}
 
     def begin(self, state: DecodeState) -> None:
-        pass
+        self.rounds[id(state)] = []
 
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
-        self.asked = (part, limit)
-        return limit
+        self.asked[id(state)] = (part, limit)
+        return 0 if part in self.skip else limit
 
     def observe(
         self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part=""
     ) -> None:
-        self.rounds.append((self.asked, part, drafted))
-        self.asked = None
+        self.rounds[id(state)].append((self.asked.pop(id(state), None), part, drafted))
 
 
 def test_the_engine_asks_and_tells_the_policy_by_part(tiny_target):
@@ -200,16 +201,40 @@ def test_the_engine_asks_and_tells_the_policy_by_part(tiny_target):
     )
     gen = generate(pipe, prompt, 40)
     assert gen.tokens == truth
-    assert len(recorder.rounds) == gen.stats.rounds
-    for asked, part, drafted in recorder.rounds:
+    (rounds,) = recorder.rounds.values()
+    assert len(rounds) == gen.stats.rounds
+    for asked, part, drafted in rounds:
         if asked is None:  # one token left: nothing asked, a plain round
             assert drafted == 0
             continue
         assert asked[0] == part  # told about the part it was asked for
         assert asked[1] <= (6 if part == "first" else 2) and drafted <= asked[1]
-    parts = Counter(part for asked, part, _ in recorder.rounds if asked is not None)
+    parts = Counter(part for asked, part, _ in rounds if asked is not None)
     assert set(parts) == {"first", "then"}
-    assert max(asked[1] for asked, *_ in recorder.rounds if asked and asked[0] == "first") == 6
+    assert max(asked[1] for asked, *_ in rounds if asked and asked[0] == "first") == 6
+
+
+def test_in_a_batch_each_request_is_told_about_its_own_part(tiny_target):
+    """Batch 2: one request copies its prompt (prompt lookup), the other has nothing to copy
+    and its head part is asked for 0 (plain rounds): each plain round is reported under the
+    part of the request it belongs to."""
+    _, lm = tiny_target
+    oracle = OracleDrafter([], 0, lm.info.vocab_size, "never", k=2)
+    recorder = _PartRecorder(skip=("then",))
+    pipe = SpeculativePipeline(
+        FullVerifier(lm), StandardAcceptor(),
+        drafter=FallbackDrafter(PLDDrafter(k=3, min_ngram=1), oracle),
+        draft_length=recorder,
+    )
+    sched = Scheduler(pipe, 2, KVLayout(kind="contiguous"), max_context=64)
+    # the plain request first: a part looked up by a stale index would be the other's
+    sched.generate([SeqRequest([1, 2, 3], 4), SeqRequest([7, 7, 7, 7, 7, 7, 7, 7], 4)])
+    plain, copying = recorder.rounds.values()
+    assert plain == [  # the limit: min(k, tokens left - 1); none asked with 1 left
+        (("then", 2), "then", 0), (("then", 2), "then", 0), (("then", 1), "then", 0),
+        (None, "then", 0),
+    ]
+    assert copying[0] == (("first", 3), "first", 1)  # 7 7 7 -> 7, the context's end
 
 
 class _RecordingPolicy:
@@ -428,3 +453,15 @@ def test_expected_tokens_by_position():
         expected_tokens(0.5, 2))
     assert expected_tokens_by_position([1.0, 0.0, 1.0], 3) == 2.0
     assert expected_tokens_by_position([0.3, 0.2], 2) == pytest.approx(1 + 0.3 + 0.06)
+
+
+def test_plain_decoding_with_a_policy(tiny_target):
+    """No drafter, the default policy set (what a run's config builds for plain decoding):
+    every round is a plain round, reported to the policy as one."""
+    hf, lm = tiny_target
+    prompt = [1, 5, 9, 17]
+    recorder = _PartRecorder()
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), draft_length=recorder)
+    gen = generate(pipe, prompt, 6)
+    assert gen.tokens == hf_greedy(hf, prompt, 6)
+    assert list(recorder.rounds.values()) == [[(None, "", 0)] * 6]
