@@ -284,7 +284,8 @@ class SpeculativePipeline:
                     part=draft.part if n > 0 else part,
                 )
             st.stats.record_round(
-                self.level, drafted, accepted, tree=draft.parents is not None
+                self.level, drafted, accepted, tree=draft.parents is not None,
+                part=draft.part if n > 0 else part, asked=n,
             )
             new = draft.accepted_tokens(verdict) + [verdict.next_token]
             st.tokens.extend(new)

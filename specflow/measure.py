@@ -7,9 +7,10 @@ record fields of ``specflow.records``.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from specflow.records import BaselineMetrics, PoolMetrics, RequestMetrics
+from specflow.records import BaselineMetrics, PoolMetrics, RequestMetrics, sum_parts
 
 if TYPE_CHECKING:
     from specflow.scheduler import Generation
@@ -58,6 +59,7 @@ def generation_metrics(
             acc[0] += nested.drafted
             acc[1] += nested.accepted
     asked = [k for g in gens for k in g.stats.asked_per_round]
+    parts = sum_parts(*({k: asdict(v) for k, v in g.stats.parts.items()} for g in gens))
     return RequestMetrics(
         new_tokens=new_tokens,
         total_s=total_s,
@@ -73,6 +75,7 @@ def generation_metrics(
         k_per_round=asked,
         rounds_skipped=sum(1 for k in asked if k == 0),
         tree_rounds=sum(g.stats.tree_rounds for g in gens),
+        parts=parts,
         drafted_per_round=[k for g in gens for k in g.stats.drafted_per_round],
         accepted_per_round=[a for g in gens for a in g.stats.accepted_per_round],
         pool=pool_metrics(gens),

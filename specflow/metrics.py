@@ -24,6 +24,9 @@ task_lo/, task_hi/<name>  95 % Wilson interval of a pass/fail task score (summar
                           also ``baseline_task_lo/`` and ``baseline_task_hi/``
 task_paired/<name>/<f>    ``both``, ``method_only``, ``plain_only``, ``neither``, ``mcnemar_p``
 accept/accepted/<level>   tokens accepted at a level (summary ``accepted_by_level``)
+part/<key>/<count>        per named part of a drafter of parts (``parts``): ``rounds``,
+                          ``skipped``, ``drafted``, ``accepted``, and ``rate`` (accepted /
+                          drafted)
 quality/accuracy_ratio    mean of the ``task_ratio/*`` (absent without task scores)
 ========================  ===================================================
 
@@ -130,6 +133,13 @@ def flatten(metrics: dict[str, Any], task: dict[str, Any] | None = None,
                 for field, count in counts.items():
                     if (v := _number(count)) is not None:
                         out[f"task_paired/{name}/{field}"] = v
+        elif key == "parts" and isinstance(value, dict):  # {part: {count: n}}
+            for part, counts in value.items():
+                for name, count in counts.items():
+                    if (v := _number(count)) is not None:
+                        out[f"part/{part}/{name}"] = v
+                if counts.get("drafted"):
+                    out[f"part/{part}/rate"] = counts["accepted"] / counts["drafted"]
         elif key == "accepted_by_level" and isinstance(value, dict):
             for level, count in value.items():
                 if (v := _number(count)) is not None:

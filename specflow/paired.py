@@ -23,7 +23,7 @@ from itertools import zip_longest
 from typing import Any
 
 from specflow.cpu import probe_cpu
-from specflow.records import RequestRecord
+from specflow.records import RequestRecord, sum_parts
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -90,6 +90,7 @@ def paired_report(records: Mapping[str, list[RequestRecord]], reference: str) ->
             "tau": 1 + accepted / rounds if rounds else None,
             "rounds": rounds,
             "tree_rounds": sum(r.metrics.tree_rounds for r in recs),
+            "parts": sum_parts(*(r.metrics.parts for r in recs)),
             "acceptance": _ratio(accepted, drafted),
             "levels": {k: {"drafted": d, "accepted": a, "rate": _ratio(a, d)}
                        for k, (d, a) in levels.items()},
@@ -141,4 +142,10 @@ def paired_markdown(rep: dict[str, Any], requests: list[tuple[str, str]],
     for name, m in rep["methods"].items():
         if m["tree_rounds"]:
             lines += ["", f"{name}: {m['tree_rounds']} of {m['rounds']} rounds verified a tree"]
+    for name, m in rep["methods"].items():
+        if m["parts"]:
+            lines += ["", f"{name} by part: " + "; ".join(
+                f"{key} {c['rounds']} rounds ({c['skipped']} plain), "
+                f"{c['accepted']}/{c['drafted']} accepted"
+                for key, c in sorted(m["parts"].items()))]
     return "\n".join(lines) + "\n"

@@ -40,6 +40,17 @@ Json = dict[str, Any]
 TASK_PREFIX = "task/"  # a task score's key; its plain-decoding mean is "baseline_" + key
 
 
+def sum_parts(*groups: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per-part counts (``RequestMetrics.parts``) summed over ``groups``, key by key."""
+    out: dict[str, dict[str, int]] = {}
+    for parts in groups:
+        for key, counts in parts.items():
+            total = out.setdefault(key, {})
+            for name, n in counts.items():
+                total[name] = total.get(name, 0) + n
+    return out
+
+
 def _fields_from(cls: type, data: Json) -> dict[str, Any]:
     """``{name: data[name]}`` for each field of the dataclass ``cls`` (a flat group)."""
     return {f.name: data[f.name] for f in fields(cls)}
@@ -136,6 +147,9 @@ class RequestMetrics:
     ``k_per_round``: the draft length asked each round (0: the round drafted nothing);
     ``tree_rounds``: rounds whose draft was a token tree (a tree drafter's choice;
     ``drafted`` counts a tree's every node, ``accepted`` its kept path);
+    ``parts``: per named part of a drafter of parts (a fallback's ``first`` / ``then``),
+    ``{"rounds", "skipped", "drafted", "accepted"}`` (``specflow.state.PartStats``;
+    ``skipped``: plain rounds, asked for 0 tokens); ``{}`` for other drafters;
     ``latency_s``: admission to finish (``total_s`` plus nothing at batch size 1);
     ``queued_s``: seconds the turns waited for a batch slot.
     """
@@ -154,6 +168,7 @@ class RequestMetrics:
     k_per_round: list[int]
     rounds_skipped: int
     tree_rounds: int
+    parts: dict[str, dict[str, int]]
     drafted_per_round: list[int]
     accepted_per_round: list[int]
     pool: PoolMetrics | None  # inline; a drafter pool only
@@ -167,8 +182,8 @@ class RequestMetrics:
     @classmethod
     def from_json(cls, data: Json) -> RequestMetrics:
         """Also reads records older than some keys: ``k_per_round`` ``[]``,
-        ``rounds_skipped`` and ``tree_rounds`` 0 when missing, ``latency_s`` = ``total_s``,
-        ``queued_s`` 0.0."""
+        ``rounds_skipped`` and ``tree_rounds`` 0 when missing, ``parts`` ``{}``,
+        ``latency_s`` = ``total_s``, ``queued_s`` 0.0."""
         return cls(
             new_tokens=data["new_tokens"],
             total_s=data["total_s"],
@@ -184,6 +199,7 @@ class RequestMetrics:
             k_per_round=data.get("k_per_round", []),
             rounds_skipped=data.get("rounds_skipped", 0),
             tree_rounds=data.get("tree_rounds", 0),
+            parts=data.get("parts", {}),
             drafted_per_round=data["drafted_per_round"],
             accepted_per_round=data["accepted_per_round"],
             pool=PoolMetrics.from_json(data) if "arms" in data else None,
@@ -264,7 +280,8 @@ class Aggregate:
     (``specflow.results.aggregate``; the module doc there says how each is pooled).
 
     ``acceptance_by_level`` / ``accepted_by_level``: rate and accepted tokens per level;
-    ``tree_rounds``: rounds that verified a token tree (of ``rounds``).
+    ``tree_rounds``: rounds that verified a token tree (of ``rounds``); ``parts``: per named
+    part of a drafter of parts, its counts summed (``RequestMetrics.parts``).
     The baseline fields are ``None`` unless every record has a baseline.  ``task`` and
     ``baseline_task`` (keyed ``task/<name>``) are written inline as ``task/<name>`` and
     ``baseline_task/<name>``; ``task_ci95``, ``baseline_task_ci95`` (95 % Wilson intervals
@@ -281,6 +298,7 @@ class Aggregate:
     drafted: int
     accepted: int
     tree_rounds: int
+    parts: dict[str, dict[str, int]]
     tau: float | None
     acceptance_rate: float | None
     acceptance_by_level: dict[str, float | None]
@@ -309,6 +327,7 @@ class Aggregate:
             drafted=0,
             accepted=0,
             tree_rounds=0,
+            parts={},
             tau=None,
             acceptance_rate=None,
             acceptance_by_level={},
@@ -346,7 +365,7 @@ class Aggregate:
     def from_json(cls, data: Json) -> Aggregate:
         """From a ``by_category`` entry or a summary's top level (other keys are ignored).
         Also reads summaries older than ``accepted_by_level`` (``{}``), than ``tree_rounds``
-        (0) and than the task intervals and pairs (``{}``)."""
+        (0), than ``parts`` (``{}``) and than the task intervals and pairs (``{}``)."""
         if not data["num_requests"]:
             return cls.empty()
         plain = f"baseline_{TASK_PREFIX}"
@@ -360,6 +379,7 @@ class Aggregate:
             drafted=data["drafted"],
             accepted=data["accepted"],
             tree_rounds=data.get("tree_rounds", 0),
+            parts=data.get("parts", {}),
             tau=data["tau"],
             acceptance_rate=data["acceptance_rate"],
             acceptance_by_level=data["acceptance_by_level"],

@@ -43,6 +43,7 @@ from specflow.records import (
     RequestRecord,
     RunMeta,
     RunSummary,
+    sum_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -342,6 +343,7 @@ def aggregate(records: list[RequestRecord]) -> Aggregate:
         drafted=drafted,
         accepted=accepted,
         tree_rounds=sum(x.tree_rounds for x in m),
+        parts=sum_parts(*(x.parts for x in m)),
         tau=1.0 + accepted / rounds if rounds else None,
         acceptance_rate=_ratio(accepted, drafted),
         acceptance_by_level={k: _ratio(a, d) for k, (d, a) in levels.items()},

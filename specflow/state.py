@@ -152,6 +152,20 @@ class StageTimes:
 
 
 @dataclass
+class PartStats:
+    """One part of a drafter's rounds (``Draft.part``; a fallback's prompt lookup or head):
+    rounds it drafted or was asked for, of which ``skipped`` asked it for 0 tokens (plain
+    rounds: a draft-length policy's choice, or one token left), and its tokens drafted and
+    accepted.  Counted where a draft-length policy is set (the runner always sets one) or
+    the part drafted."""
+
+    rounds: int = 0
+    skipped: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
 class RoundStats:
     """Counters of one request's rounds (see the glossary)."""
 
@@ -163,6 +177,9 @@ class RoundStats:
     level_accepted: dict[str, int] = field(default_factory=dict)
     asked_per_round: list[int] = field(default_factory=list)  # see the glossary: asked
     tree_rounds: int = 0  # rounds whose draft was a token tree (``Draft.parents``)
+    # Per named part of a drafter of parts (``DraftPart.key``), its rounds; a drafter of
+    # one part (key "") adds none.
+    parts: dict[str, PartStats] = field(default_factory=dict)
     drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
     # A drafter pool (MetaSD): per pool round, the chosen arm and its reward in [0, 1];
@@ -187,11 +204,27 @@ class RoundStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record_round(self, level: str, drafted: int, accepted: int, tree: bool = False) -> None:
+    def record_round(
+        self,
+        level: str,
+        drafted: int,
+        accepted: int,
+        tree: bool = False,
+        part: str = "",
+        asked: int | None = None,
+    ) -> None:
         """Count one verified round (one target call) at verification level ``level``;
-        ``tree``: its draft was a token tree (``drafted`` counts every node)."""
+        ``tree``: its draft was a token tree (``drafted`` counts every node); ``part``: the
+        drafter's part that drafted it or was asked to (``""``: no named part), ``asked``
+        the length it was asked for (0: a plain round by a policy's choice)."""
         self.rounds += 1
         self.tree_rounds += int(tree)
+        if part:
+            stats = self.parts.setdefault(part, PartStats())
+            stats.rounds += 1
+            stats.skipped += int(asked == 0)
+            stats.drafted += drafted
+            stats.accepted += accepted
         self.drafted += drafted
         self.accepted += accepted
         self.drafted_per_round.append(drafted)

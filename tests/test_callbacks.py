@@ -89,6 +89,7 @@ def fake_record(i: int, category: str, task: dict[str, float] | None = None,
         k_per_round=[3, 3, 3, 3],
         rounds_skipped=0,
         tree_rounds=0,
+        parts={},
         drafted_per_round=[3, 3, 3, 3],
         accepted_per_round=accepted,
         pool=pool,
@@ -652,6 +653,22 @@ def test_paired_report_against_the_reference():
     treed = dc_replace(fast, metrics=dc_replace(fast.metrics, tree_rounds=3))
     tree_text = paired_markdown(paired_report({"plain": plain, "t": [treed]}, "plain"), [], {})
     assert "t: 3 of 4 rounds verified a tree" in tree_text
+    assert "by part" not in text
+    # A drafter of parts (a fallback): each part's rounds, plain rounds and tokens, summed.
+    lookup = {"first": {"rounds": 2, "skipped": 0, "drafted": 8, "accepted": 6}}
+    both = {**lookup, "then": {"rounds": 2, "skipped": 1, "drafted": 4, "accepted": 1}}
+    parted = [dc_replace(fast, metrics=dc_replace(fast.metrics, parts=both)),
+              dc_replace(other, metrics=dc_replace(other.metrics, parts=lookup))]
+    rep = paired_report({"plain": plain, "p": parted}, "plain")
+    assert rep["methods"]["p"]["parts"] == {
+        "first": {"rounds": 4, "skipped": 0, "drafted": 16, "accepted": 12},
+        "then": {"rounds": 2, "skipped": 1, "drafted": 4, "accepted": 1},
+    }
+    assert ("p by part: first 4 rounds (0 plain), 12/16 accepted; then 2 rounds (1 plain), "
+            "1/4 accepted") in paired_markdown(rep, [], {})
+    flat = flatten_record(parted[0])
+    assert (flat["part/first/rounds"], flat["part/then/skipped"]) == (2, 1)
+    assert flat["part/first/rate"] == 0.75 and flat["part/then/rate"] == 0.25
     # Rounds per pool arm: a request's arm_counts stop at the highest arm it chose, so a
     # shorter list adds as if padded with zeros, whatever the order.
     from specflow.paired import add_padded

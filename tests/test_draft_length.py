@@ -14,7 +14,7 @@ from specflow.errors import ConfigError
 from specflow.kv.stores import KVLayout, KVStores
 from specflow.protocols import DraftPart
 from specflow.scheduler import Scheduler, SeqRequest, generate
-from specflow.state import DecodeState, Draft
+from specflow.state import DecodeState, Draft, PartStats
 from stages.draft_length import (
     AdaptiveDraftLength,
     HeuristicDraftLength,
@@ -212,6 +212,14 @@ def test_the_engine_asks_and_tells_the_policy_by_part(tiny_target):
     parts = Counter(part for asked, part, _ in rounds if asked is not None)
     assert set(parts) == {"first", "then"}
     assert max(asked[1] for asked, *_ in rounds if asked and asked[0] == "first") == 6
+    # The request's counters per part add up to its totals.
+    stats = gen.stats.parts
+    assert {key: p.rounds for key, p in stats.items()} == Counter(p for _, p, _ in rounds)
+    assert sum(p.drafted for p in stats.values()) == gen.stats.drafted
+    assert sum(p.accepted for p in stats.values()) == gen.stats.accepted
+    assert stats["then"].accepted == stats["then"].drafted  # the oracle is always right
+    # plain rounds: only where one token was left (this recorder never asks for 0)
+    assert sum(p.skipped for p in stats.values()) == sum(a is None for a, _, _ in rounds)
 
 
 def test_in_a_batch_each_request_is_told_about_its_own_part(tiny_target):
@@ -228,13 +236,14 @@ def test_in_a_batch_each_request_is_told_about_its_own_part(tiny_target):
     )
     sched = Scheduler(pipe, 2, KVLayout(kind="contiguous"), max_context=64)
     # the plain request first: a part looked up by a stale index would be the other's
-    sched.generate([SeqRequest([1, 2, 3], 4), SeqRequest([7, 7, 7, 7, 7, 7, 7, 7], 4)])
+    results = sched.generate([SeqRequest([1, 2, 3], 4), SeqRequest([7] * 8, 4)])
     plain, copying = recorder.rounds.values()
     assert plain == [  # the limit: min(k, tokens left - 1); none asked with 1 left
         (("then", 2), "then", 0), (("then", 2), "then", 0), (("then", 1), "then", 0),
         (None, "then", 0),
     ]
     assert copying[0] == (("first", 3), "first", 1)  # 7 7 7 -> 7, the context's end
+    assert results[0].generation.stats.parts == {"then": PartStats(4, 4, 0, 0)}
 
 
 class _RecordingPolicy:

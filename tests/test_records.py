@@ -36,14 +36,16 @@ TURN_KEYS = ["prompt_tokens", "output_text", "output_tokens", "new_tokens", "tot
              "stop_reason"]
 METRIC_KEYS = ["new_tokens", "total_s", "tokens_per_s", "rounds", "target_calls", "drafted",
                "accepted", "tau", "acceptance_rate", "levels", "time_per_stage", "k_per_round",
-               "rounds_skipped", "tree_rounds", "drafted_per_round", "accepted_per_round"]
+               "rounds_skipped", "tree_rounds", "parts", "drafted_per_round",
+               "accepted_per_round"]
 POOL_KEYS = ["arms", "arm_rewards", "arm_counts", "catchup_tokens", "catchup_s"]
 LATENCY_KEYS = ["latency_s", "queued_s"]
 BASELINE_KEYS = ["baseline_tokens", "baseline_s", "baseline_tokens_per_s", "baseline_cached",
                  "speedup", "matches_baseline"]
 META_KEYS = ["method", "target_model", "models", "config", "machine", "started", "output_dir"]
 AGGREGATE_KEYS = ["num_requests", "new_tokens", "total_s", "tokens_per_s", "rounds",
-                  "target_calls", "drafted", "accepted", "tree_rounds", "tau", "acceptance_rate",
+                  "target_calls", "drafted", "accepted", "tree_rounds", "parts", "tau",
+                  "acceptance_rate",
                   "acceptance_by_level", "accepted_by_level", "time_per_stage",
                   "baseline_tokens_per_s", "speedup", "speedup_median", "fidelity"]
 TASK_KEYS = ["task/bleu", "task_ci95", "baseline_task/bleu", "baseline_task_ci95", "task_paired",
@@ -150,19 +152,21 @@ def test_stored_run_folders_are_found():
 @pytest.mark.parametrize("run", STORED_RUNS, ids=lambda p: str(p.relative_to(ROOT / "docs")))
 def test_stored_run_folders_round_trip(run: Path):
     """Every record of a stored run folder is rewritten byte for byte (key order included),
-    but for ``tree_rounds`` (0) where it predates that key; so is its summary, unless it
-    predates ``accepted_by_level`` (then only that is added)."""
+    but for ``tree_rounds`` (0) and ``parts`` ({}) where it predates those keys; so is its
+    summary, unless it predates ``accepted_by_level`` (then only that is added)."""
     for line in (run / "requests.jsonl").read_text().splitlines():
         data = json.loads(line)
         out = RequestRecord.from_json(data).to_json()
-        if "tree_rounds" not in data["metrics"]:
-            assert out["metrics"].pop("tree_rounds") == 0
+        for key, empty in (("tree_rounds", 0), ("parts", {})):
+            if key not in data["metrics"]:
+                assert out["metrics"].pop(key) == empty
         assert json.dumps(out) == line
     data = json.loads((run / "summary.json").read_text())
     out = RunSummary.from_json(data).to_json()
-    if "tree_rounds" not in data:
-        for agg in (out, *out["by_category"].values()):
-            assert agg.pop("tree_rounds", 0) == 0
+    for key, empty in (("tree_rounds", 0), ("parts", {})):
+        if key not in data:
+            for agg in (out, *out["by_category"].values()):
+                assert agg.pop(key, empty) == empty
     if "accepted_by_level" in data:
         assert json.dumps(out) == json.dumps(data)
     else:
@@ -173,8 +177,9 @@ def test_stored_run_folders_round_trip(run: Path):
         assert out == data
 
 
-OLD_METRICS = ("k_per_round", "rounds_skipped", "tree_rounds", "latency_s", "queued_s")
-OLD_SUMMARY = ("accepted_by_level", "tree_rounds", "task_ci95", "baseline_task_ci95",
+OLD_METRICS = ("k_per_round", "rounds_skipped", "tree_rounds", "parts", "latency_s",
+               "queued_s")
+OLD_SUMMARY = ("accepted_by_level", "tree_rounds", "parts", "task_ci95", "baseline_task_ci95",
                "task_paired", "batch")
 
 
@@ -193,7 +198,7 @@ def test_old_format_files_still_read_and_resume(tmp_path):
     first, data = folder.records[0], old[0]
     assert first.metrics.latency_s == data["metrics"]["total_s"]
     assert first.metrics.queued_s == 0.0 and first.metrics.k_per_round == []
-    assert first.metrics.tree_rounds == 0
+    assert first.metrics.tree_rounds == 0 and first.metrics.parts == {}
     assert first.baseline_task is None and first.task == data["task"]
     assert first.metrics.baseline is not None
     assert first.metrics.baseline.speedup == data["metrics"]["speedup"]
