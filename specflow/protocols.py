@@ -102,7 +102,8 @@ class Drafter(Protocol):
         """Up to ``asked[i]`` tokens (``1 <= asked[i] <= k``; a tree draft: depth up to
         ``asked[i]``, ``Draft.parents``) continuing
         ``states[i].tokens`` (fewer, even 0, is fine).  A drafter of parts sets each
-        draft's ``Draft.part`` to the key of the part that drafted it."""
+        draft's ``Draft.part`` to the key of the part that drafted it, always a key its
+        ``next_part`` can return (a pool, one part, clears its arms' keys)."""
 
     def observe(
         self,

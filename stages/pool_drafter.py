@@ -261,6 +261,7 @@ class PoolDrafter:
             for i, draft in zip(idx, out, strict=True):
                 if i in switched:
                     draft.catchup_s += sync.seconds
+                draft.part = ""  # the pool is one part (next_part): an arm's parts stay inside
                 drafts[i] = draft
             began[arm] = (start, clock())
         end = clock()

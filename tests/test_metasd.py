@@ -17,6 +17,7 @@ from specflow.oracle import load_runs, oracle_report
 from specflow.protocols import DraftPart
 from specflow.scheduler import generate
 from specflow.state import Acceptance, DecodeState, Draft
+from stages.fallback_drafter import FallbackDrafter
 from stages.fixed_selector import FixedSelector
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
@@ -209,6 +210,20 @@ def test_pool_reward_from_target_logits(reward, expected):
     other = DecodeState(tokens=[1, 2], prompt_len=2, max_len=16)
     pool.begin([other])
     assert pool._request.get(other).bandit.counts == [0.0, 0.0]  # reset per request
+
+
+def test_a_pool_is_one_part_whatever_its_arms_drafts_carry():
+    """An arm that is a fallback marks its drafts ``first`` / ``then``; the pool, one part to
+    a draft-length policy (``next_part``: ""), hands them on as its own part, so a policy
+    is told about the part it was asked for."""
+    state = DecodeState(tokens=[1, 2, 3, 1, 2], prompt_len=5, max_len=16)
+    fallback = FallbackDrafter(PLDDrafter(k=2, min_ngram=2), StubDrafter())
+    assert [d.part for d in fallback.propose([state], [2])] == ["first"]
+    pool = PoolDrafter({"eagle_pld": fallback}, FixedSelector(0))
+    pool.begin([state])
+    assert pool.next_part(state) == DraftPart("", 3, 3)
+    (draft,) = pool.propose([state], [2])
+    assert (draft.tokens, draft.part) == ([3, 1], "")
 
 
 class FakeClock:
