@@ -16,14 +16,15 @@ scheduler, ``specflow.scheduler``, admits and retires requests between rounds). 
 lengths (glossary in ``specflow.state``): ``k`` is the drafter's maximum, ``asked_i`` what
 this round asks for request i, ``d_i = len(draft_i.tokens) <= asked_i`` what it drafted.
   1. per request i: limit_i = min(drafter.k, budget_i - 1)   (``draft_limit``: the one cap;
-     budget_i - 1 keeps the bonus token within max_new_tokens)
-     asked_i = draft_length.choose(state_i, limit_i)  (optional policy; default limit_i;
-     0 = a plain round)
+     budget_i - 1 keeps the bonus token within max_new_tokens); with a policy:
+     part_i = drafter.next_part(state_i), limit_i = min(part_i.k, budget_i - 1) and
+     asked_i = draft_length.choose(state_i, limit_i, part_i.key)  (0 = a plain round)
   2. drafts = drafter.propose(states with asked_i > 0, their asked_i)   time/draft_s
   3. logits = target_verifier.score(states, drafts)  # [d_i+1, V] each  time/verify_s
   4. verdict_i = acceptor.accept(state_i, draft_i, logits_i)            time/accept_s
      drafter.observe(drafting states, ...)       (a pool's bandit reward; in accept_s)
-  5. per request: draft_length.observe(...), stats, commit draft[:accepted] + [next_token]
+  5. per request: draft_length.observe(..., part=draft_i.part), stats (per part too),
+     commit draft[:accepted] + [next_token]
      (a tree draft, ``Draft.parents``: the accepted path's tokens, ``Acceptance.path``).
 
 Stage times are read from the pipeline's ``clock``; the requests carry the same clock
