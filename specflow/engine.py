@@ -232,7 +232,7 @@ class SpeculativePipeline:
                 # The policy asks the part that will draft, within that part's own k.
                 part = self.drafter.next_part(st)
                 parts[i] = part.key
-                limit = min(part.k, budget - 1)
+                limit = draft_limit(part, budget - 1)
                 asked[i] = policy.choose(st, limit, part.key) if limit > 0 else limit
         drafting = [i for i, n in enumerate(asked) if n > 0]
         t0 = self.clock()

@@ -121,11 +121,12 @@ class Drafter(Protocol):
         """The model sessions this drafter drafts with; [] for model-free ones."""
 
 
-def draft_limit(drafter: Drafter, wanted: int) -> int:
-    """The draft length to ask ``drafter`` for when ``wanted`` tokens would do:
-    ``min(wanted, drafter.k)``, the one place a draft length is capped by a drafter's ``k``
-    (the engine, with ``wanted = budget - 1``; a fallback or a pool, for each of its parts).
-    """
+def draft_limit(drafter: Drafter | DraftPart, wanted: int) -> int:
+    """The draft length to ask ``drafter`` (or one part of it) for when ``wanted`` tokens
+    would do: ``min(wanted, drafter.k)``, the one place a draft length is capped by a
+    drafter's ``k`` (the engine, with ``wanted = budget - 1``, of the drafter or, with a
+    draft-length policy, of the part that will draft; a fallback or a pool, for each of its
+    parts)."""
     return min(wanted, drafter.k)
 
 
