@@ -1,9 +1,10 @@
 """Callback ``console``: a readable report printed at the end of the run.
 
 The per-category table of ``specflow.results.format_table`` (tokens/s, plain decoding's
-tokens/s, speedup, tau, acceptance, fidelity), then acceptance per verification level,
-time per stage and task scores (method vs plain decoding), all with the slash-separated
-metric names used by every logger.
+tokens/s, speedup, tau, acceptance, fidelity), then acceptance per verification level, the
+rounds of each part of a drafter of parts and the rounds that verified a tree, time per
+stage and task scores (method vs plain decoding), all with the slash-separated metric names
+used by every logger.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ def format_report(summary: RunSummary) -> str:
     levels = sorted(k for k in flat if k.startswith("accept/rate/"))
     if levels:
         lines.append("acceptance per level: " + ", ".join(f"{k}={_fmt(flat[k])}" for k in levels))
+    overall = summary.overall
+    if overall.parts:
+        lines.append("by part: " + "; ".join(
+            f"part/{key}: {c['rounds']} rounds ({c['skipped']} plain), "
+            f"{c['accepted']}/{c['drafted']} accepted"
+            for key, c in sorted(overall.parts.items())))
+    if overall.tree_rounds:
+        lines.append(f"count/tree_rounds: {overall.tree_rounds} of {overall.rounds} rounds "
+                     "verified a tree")
     stages = stage_names(flat)
     total = flat.get("time/total_s") or 0.0
     if stages and total:

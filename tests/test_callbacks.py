@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from callbacks.console import ConsoleTable
+from callbacks.console import ConsoleTable, format_report
 from callbacks.csv_logger import CsvLogger
 from callbacks.jsonl import JsonlLogger
 from callbacks.plots import Plots
@@ -226,6 +226,12 @@ def test_console_table(tmp_path, records, summary):
     for needle in ("sps on tiny", "math_reasoning", "translation", "ALL",
                    "accept/rate/intermediate", "time/verify_s", "task/gsm8k_exact"):
         assert needle in text, needle
+    assert "by part" not in text and "tree_rounds" not in text
+    parts = {"first": {"rounds": 3, "skipped": 1, "drafted": 9, "accepted": 5}}
+    parted = replace(summary, overall=replace(summary.overall, parts=parts, tree_rounds=2))
+    text = format_report(parted)
+    assert "by part: part/first: 3 rounds (1 plain), 5/9 accepted" in text
+    assert f"count/tree_rounds: 2 of {summary.overall.rounds} rounds verified a tree" in text
 
 
 def test_plots(tmp_path, records, summary):
