@@ -110,6 +110,16 @@ def test_a_new_request_inherits_the_previous_evidence():
     assert fresh.choose(state, 8) > 0  # Beta(1, 1): optimistic again
 
 
+def test_heuristic_keeps_one_k_per_part():
+    """HF's schedule per part: the copier's full drafts grow its k, the head's failures
+    shrink its own, neither moving the other's."""
+    chosen = alternate_parts(HeuristicDraftLength(initial=4), lambda part: part)
+    assert chosen["first"][:4] == [4, 6, 8, 8]
+    assert chosen["then"][:5] == [4, 3, 2, 1, 1]
+    pooled = alternate_parts(HeuristicDraftLength(initial=4), lambda part: "")
+    assert pooled["first"][:3] == [4, 5, 6] and pooled["then"][:3] == [6, 7, 8]
+
+
 def alternate_parts(policy, key_of) -> dict[str, list[int]]:
     """200 synthetic rounds alternating a fallback's copier (part ``first``: every token
     accepted) and its head (``then``: none), each fed to the policy under ``key_of(part)``;
