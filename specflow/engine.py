@@ -273,20 +273,21 @@ class SpeculativePipeline:
             st.times.verify_s += t2 - t1
             st.times.accept_s += t3 - t2
             drafted, accepted = len(draft.tokens), verdict.num_accepted
+            # The part that drafted, or for a plain round the part asked.
+            round_part = draft.part if n > 0 else part
             if self.draft_length is not None:
                 # The drafter's catch-up (lazy prefill, tokens committed while it sat idle)
                 # is not a per-token drafting cost: leave it out of the policy's t_draft.
                 # Both are read from one clock (``DecodeState.clock`` is this ``clock``).
                 draft_s = max(0.0, t1 - t0 - draft.catchup_s) if n > 0 else 0.0
-                # A tree's nodes are not a longer draft: the policy sees its depth.  The
-                # evidence goes to the part that drafted (a plain round: the part asked).
+                # A tree's nodes are not a longer draft: the policy sees its depth.
                 self.draft_length.observe(
                     st, draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s,
-                    part=draft.part if n > 0 else part,
+                    part=round_part,
                 )
             st.stats.record_round(
                 self.level, drafted, accepted, tree=draft.parents is not None,
-                part=draft.part if n > 0 else part, asked=n,
+                part=round_part, asked=n,
             )
             new = draft.accepted_tokens(verdict) + [verdict.next_token]
             st.tokens.extend(new)
