@@ -132,6 +132,10 @@ class SpeculativePipeline:
             )
         self.drafter = drafter
         self.draft_length = draft_length
+        if draft_length is not None:
+            # What a verify pass of n rows costs, where measured (the row probe): a policy
+            # then prices a draft's rows instead of fitting their cost from round times.
+            draft_length.use_prices(target_verifier.row_prices())
         self.clock = clock
         self.name = name
         self.level = level
@@ -266,6 +270,7 @@ class SpeculativePipeline:
             )
         t3 = self.clock()
         out = []
+        rows = sum(len(d.tokens) + 1 for d in drafts)  # the verification pass's rows
         rounds = zip(states, asked, parts, drafts, verdicts, logits, strict=True)
         for st, n, part, draft, verdict, lg in rounds:
             st.stats.asked_per_round.append(n)
@@ -283,7 +288,7 @@ class SpeculativePipeline:
                 # A tree's nodes are not a longer draft: the policy sees its depth.
                 self.draft_length.observe(
                     st, draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s,
-                    part=round_part,
+                    part=round_part, rows=rows,
                 )
             st.stats.record_round(
                 self.level, drafted, accepted, tree=draft.parents is not None,

@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specflow.kv.base import LayeredLM, ModelInfo
+from specflow.models.row_padding import RowPrices
 from specflow.state import Acceptance, DecodeState, Draft
 
 
@@ -148,6 +149,11 @@ class TargetVerifier(Protocol):
     def uses(self) -> list[ModelUse]:
         """The model session this verifier scores with (the target at its exit)."""
 
+    def row_prices(self) -> RowPrices | None:
+        """What a scoring pass over n rows costs against a one-token step, as measured on
+        this machine (``specflow.models.row_padding.RowPrices``), or ``None`` where it is
+        not measured (a draft-length policy then measures it from its rounds)."""
+
 
 @runtime_checkable
 class IntermediateVerifier(TargetVerifier, Protocol):
@@ -228,6 +234,10 @@ class DraftLengthPolicy(Protocol):
 
     def begin(self, state: DecodeState) -> None: ...
 
+    def use_prices(self, prices: RowPrices | None) -> None:
+        """The target verifier's ``row_prices``, given once by the engine when it is built
+        (``None``: not measured)."""
+
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         """The asked draft length, in ``0..limit`` (``limit = min(part's k, budget - 1)``,
         >= 1), for a round drafted by ``part``."""
@@ -241,11 +251,13 @@ class DraftLengthPolicy(Protocol):
         verify_s: float,
         catchup_s: float = 0.0,
         part: str = "",
+        rows: int = 0,
     ) -> None:
-        """What the round did: tokens drafted and accepted, seconds drafting (without the
-        drafter's catch-up) and verifying, and seconds the drafter spent catching up;
-        ``part``: the part that drafted (``Draft.part``), or, for a plain round, the part
-        the policy chose 0 for."""
+        """What the round did: tokens drafted (a tree: its depth) and accepted, seconds
+        drafting (without the drafter's catch-up) and verifying, and seconds the drafter
+        spent catching up; ``part``: the part that drafted (``Draft.part``), or, for a plain
+        round, the part the policy chose 0 for; ``rows``: the rows of the verification pass
+        those seconds paid for, every request of the batch together (0: ``drafted + 1``)."""
 
 
 @runtime_checkable

@@ -21,7 +21,17 @@ drafting round's verification seconds and ``kbar`` of its draft length:
 ``beta = max(0, (v / t1 - 1) / kbar)`` (the linear model averaged), recomputed whenever ``t1``
 or ``v`` moves, so a verification measured at a longer context than an old ``t1`` does not
 stay in beta as a cost of drafting once a plain round re-measures ``t1``.
-It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..limit``.  alpha is estimated from
+It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..limit``.
+
+Priced rows.  Where the target verifier measured what its passes cost by row count (the row
+probe of a packed CPU model, ``TargetVerifier.row_prices``; ``row_prices: true``), beta is not
+fitted: ``t_verify(n) = t1 * price(n)``, with the row padding in the price (a pass of n <=
+``model.min_rows`` rows costs a step).  Fitted from round times, beta swings widely within one
+request (0.00-0.14 of a step a token on the 1.5B, ``docs/benchmarks.md`` §25), because one
+verification's seconds vary by a third; the probe's price is one number per process.  Every
+round then measures t1 too, as ``verify_s / price(rows)`` over the pass's rows (the whole
+batch's), so no request needs a plain round to measure it, and a plain round is only ever the
+policy's choice.  alpha is estimated from
 the positions tried (a position is tried when every earlier one was accepted), with a
 Beta(1, 1) prior and a discount so it follows drift within a request, and used
 optimistically (alpha + ``optimism`` standard errors).
@@ -72,6 +82,7 @@ import math
 from dataclasses import dataclass, field
 
 from specflow.errors import ConfigError
+from specflow.models.row_padding import RowPrices
 from specflow.state import DecodeState, RequestLocal
 
 
@@ -79,6 +90,9 @@ class FixedDraftLength:
     """Always the limit (the drafter's k, capped near the end of generation)."""
 
     def begin(self, state: DecodeState) -> None:
+        pass
+
+    def use_prices(self, prices: RowPrices | None) -> None:
         pass
 
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
@@ -93,6 +107,7 @@ class FixedDraftLength:
         verify_s: float,
         catchup_s: float = 0.0,
         part: str = "",
+        rows: int = 0,
     ) -> None:
         pass
 
@@ -111,6 +126,9 @@ class HeuristicDraftLength:
     def begin(self, state: DecodeState) -> None:
         self._k.set(state, {})
 
+    def use_prices(self, prices: RowPrices | None) -> None:
+        pass
+
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         return min(self._k.get(state).get(part, self.initial), limit)
 
@@ -123,6 +141,7 @@ class HeuristicDraftLength:
         verify_s: float,
         catchup_s: float = 0.0,
         part: str = "",
+        rows: int = 0,
     ) -> None:
         if drafted == 0:
             return
@@ -235,6 +254,8 @@ class AdaptiveDraftLength:
             that each position's estimate starts from.
         by_part: one cost model per part of the drafter (``Drafter.next_part``; module
             doc); false: one for all parts, whichever drafts.
+        row_prices: price verify rows with the target verifier's measured ``row_prices``
+            where it has them (module doc); false: fit beta from the rounds' times always.
     """
 
     def __init__(
@@ -250,6 +271,7 @@ class AdaptiveDraftLength:
         acceptance: str = "geometric",
         position_strength: float = 2.0,
         by_part: bool = True,
+        row_prices: bool = True,
     ) -> None:
         if acceptance not in ACCEPTANCE_MODELS:
             raise ConfigError(
@@ -263,6 +285,8 @@ class AdaptiveDraftLength:
         self.acceptance = acceptance
         self.position_strength = position_strength
         self.by_part = by_part
+        self.row_prices = row_prices
+        self._prices: RowPrices | None = None  # the target's, once given (use_prices)
         if not 0.0 < discount <= 1.0:
             raise ConfigError(f"draft_length.discount must be in (0, 1], got {discount}")
         if not 0.0 < idle_discount <= 1.0:
@@ -287,6 +311,23 @@ class AdaptiveDraftLength:
         """A new request starts with no part's model; each is made on the part's first
         round (``cost_model``)."""
         self._models.set(state, {})
+
+    def use_prices(self, prices: RowPrices | None) -> None:
+        """The target's pass price by row count (kept only with ``row_prices``)."""
+        self._prices = prices if self.row_prices else None
+
+    @property
+    def prices(self) -> RowPrices | None:
+        """The row prices in use (``None``: beta fitted from the rounds' times)."""
+        return self._prices
+
+    def verify_seconds(self, m: CostModel, rows: int) -> float:
+        """Expected seconds of a verification of ``rows`` rows: ``t1 * price(rows)`` with
+        priced rows, else ``t1 * (1 + beta (rows - 1))`` (module doc)."""
+        assert m.t1 is not None
+        if self._prices is not None:
+            return m.t1 * self._prices(rows)
+        return m.t1 * (1.0 + m.beta * (rows - 1))
 
     def _inherit(self, part: str) -> CostModel:
         """A part's model for a new request: what earlier requests of this run measured
@@ -329,9 +370,10 @@ class AdaptiveDraftLength:
         m = self.cost_model(state, part)
         if m.t1 is None or m.t_draft is None:
             return limit  # measure a drafting round first (t1 comes from k = 0 or is derived)
-        if not m.t1_measured:
+        if not m.t1_measured and self._prices is None:
             # One plain round per request measures t1 itself: derived from drafting rounds
             # alone, t1 and beta are confounded (and t1 grows with the context length).
+            # With priced rows every round measures t1 (module doc).
             return 0
         catchup = self._catchup_cost(state, m)
         remaining = max(0, state.max_len - 1 - len(state.tokens))  # tokens still allowed
@@ -344,7 +386,7 @@ class AdaptiveDraftLength:
                   if self.acceptance == "per_position" else [])
         best_k, best_rate = 0, 1.0 / m.t1
         for k in range(1, limit + 1):
-            cost = k * m.t_draft + m.t1 * (1.0 + m.beta * k)
+            cost = k * m.t_draft + self.verify_seconds(m, k + 1)
             tokens = (expected_tokens_by_position(alphas, k) if alphas
                       else expected_tokens(alpha, k))
             rate = tokens / cost
@@ -374,6 +416,7 @@ class AdaptiveDraftLength:
         verify_s: float,
         catchup_s: float = 0.0,
         part: str = "",
+        rows: int = 0,
     ) -> None:
         if not self.by_part:
             part = ""
@@ -384,11 +427,17 @@ class AdaptiveDraftLength:
         def smooth(old: float | None, new: float) -> float:
             return new if old is None else (1 - w) * old + w * new
 
-        if drafted == 0:  # a plain round measures t1: the target's, every part's
+        rows = rows or drafted + 1
+        # A plain round measures t1 (the target's, so every part's), and with priced rows
+        # so does every round: seconds of its pass over the price of its rows.
+        t1_seen = (verify_s / self._prices(rows) if self._prices is not None
+                   else verify_s if drafted == 0 else None)
+        if t1_seen is not None:
             for other in self._models.get(state).values():
-                other.t1 = verify_s if not other.t1_measured else smooth(other.t1, verify_s)
+                other.t1 = t1_seen if not other.t1_measured else smooth(other.t1, t1_seen)
                 other.t1_measured = True
                 other.refit_beta()
+        if drafted == 0:
             m.plain_streak += 1  # the part that sat out
             m.scale_evidence(self.idle_discount)
             return

@@ -16,6 +16,7 @@ import torch
 from specflow.catchup import catch_up
 from specflow.errors import ConfigError
 from specflow.models.resolve import as_layered_lm
+from specflow.models.row_padding import RowPrices, row_prices
 from specflow.protocols import ModelUse
 from specflow.state import DecodeState, Draft
 from specflow.verification import score_at_exit
@@ -46,6 +47,10 @@ class EarlyExitVerifier:
 
     def uses(self) -> list[ModelUse]:
         return [ModelUse(self.lm, self.exit_layer)]
+
+    def row_prices(self) -> RowPrices | None:
+        """The target's pass price by row count, from its row probe (``row_prices``)."""
+        return row_prices(self.lm)
 
     def begin(self, states: list[DecodeState]) -> None:
         catch_up(states, self.lm, self.exit_layer)

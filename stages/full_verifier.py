@@ -8,6 +8,7 @@ import torch
 
 from specflow.catchup import catch_up
 from specflow.models.resolve import as_layered_lm
+from specflow.models.row_padding import RowPrices, row_prices
 from specflow.protocols import ModelUse
 from specflow.state import DecodeState, Draft
 from specflow.verification import score_at_exit
@@ -26,6 +27,10 @@ class FullVerifier:
 
     def uses(self) -> list[ModelUse]:
         return [ModelUse(self.lm, self.info.num_layers)]
+
+    def row_prices(self) -> RowPrices | None:
+        """The target's pass price by row count, from its row probe (``row_prices``)."""
+        return row_prices(self.lm)
 
     def begin(self, states: list[DecodeState]) -> None:
         catch_up(states, self.lm, self.info.num_layers)

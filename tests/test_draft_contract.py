@@ -89,6 +89,9 @@ class Spy:
     def begin(self, states):
         self.inner.begin(states)
 
+    def row_prices(self):
+        return self.inner.row_prices()
+
     def score(self, states, drafts):
         self.scored += [len(d.tokens) for d in drafts]
         return self.inner.score(states, drafts)
@@ -239,10 +242,14 @@ class _RecordingPolicy:
     def begin(self, state):
         pass
 
+    def use_prices(self, prices):
+        pass
+
     def choose(self, state, limit, part=""):
         return limit
 
-    def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part=""):
+    def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="",
+                rows=0):
         if drafted:
             self.draft_s.append(draft_s)
             self.catchup_s.append(catchup_s)

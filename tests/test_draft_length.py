@@ -12,6 +12,7 @@ from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.stores import KVLayout, KVStores
+from specflow.models.row_padding import RowPrices, RowProbe
 from specflow.protocols import DraftPart
 from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import DecodeState, Draft, PartStats
@@ -186,12 +187,15 @@ class _PartRecorder:
     def begin(self, state: DecodeState) -> None:
         self.rounds[id(state)] = []
 
+    def use_prices(self, prices) -> None:
+        pass
+
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         self.asked[id(state)] = (part, limit)
         return 0 if part in self.skip else limit
 
     def observe(
-        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part=""
+        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="", rows=0
     ) -> None:
         self.rounds[id(state)].append((self.asked.pop(id(state), None), part, drafted))
 
@@ -265,11 +269,14 @@ class _RecordingPolicy:
     def begin(self, state: DecodeState) -> None:
         pass
 
+    def use_prices(self, prices) -> None:
+        pass
+
     def choose(self, state: DecodeState, k_max: int, part: str = "") -> int:
         return k_max
 
     def observe(
-        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part=""
+        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="", rows=0
     ) -> None:
         if drafted:  # rounds that drafted (the last round of a budget may not)
             self.draft_s.append(draft_s)
@@ -484,3 +491,109 @@ def test_plain_decoding_with_a_policy(tiny_target):
     gen = generate(pipe, prompt, 6)
     assert gen.tokens == hf_greedy(hf, prompt, 6)
     assert list(recorder.rounds.values()) == [[(None, "", 0)] * 6]
+
+
+# Priced rows: one pass costs a step up to 6 rows (the padding pays for them), then half a
+# step a row more (8 rows: 2 steps, extrapolated beyond).
+FLAT_TO_6 = RowPrices({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 1.0, 8: 2.0}, 1)
+
+
+def _priced_rounds(policy, rounds: int, alpha_all: bool = True) -> list[int]:
+    """Synthetic rounds whose verification takes exactly ``T1 * FLAT_TO_6(rows)``."""
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    ks = []
+    for _ in range(rounds):
+        k = policy.choose(state, 8)
+        ks.append(k)
+        policy.observe(state, k, k if alpha_all else 0, k * 0.001, T1 * FLAT_TO_6(k + 1),
+                       rows=k + 1)
+    return ks
+
+
+def test_priced_rows_stop_a_perfect_drafter_where_rows_start_to_cost():
+    """With the probe's prices, a drafter whose every token is accepted is asked for 5 (6
+    verify rows, what a step pays for), not the cap of 8, and no round is a plain one:
+    every round measures t1 as seconds over the price of its rows."""
+    policy = AdaptiveDraftLength()
+    policy.use_prices(FLAT_TO_6)
+    assert policy.prices is FLAT_TO_6
+    ks = _priced_rounds(policy, 40)
+    assert ks == [8] + [5] * 39
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    assert policy.choose(state, 8) == 5  # a new request: no plain round to measure t1
+    assert policy.cost_model(state).t1 == pytest.approx(T1)
+    unpriced = AdaptiveDraftLength(row_prices=False)
+    unpriced.use_prices(FLAT_TO_6)
+    assert unpriced.prices is None
+    assert _priced_rounds(unpriced, 3)[1] == 0  # without prices: the plain round for t1
+
+
+def test_priced_rows_still_skip_a_useless_drafter():
+    """Its tokens cost 0.1 of a step each and are never accepted: after the first rounds
+    only 1-token re-probes, costing under 2 % over plain decoding."""
+    ks = _priced_rounds(AdaptiveDraftLength(), 200, alpha_all=False)
+    tail = ks[50:]
+    assert max(tail) <= 1 and sum(k == 0 for k in tail) >= 0.85 * len(tail)
+    cost = sum(k * 0.001 + T1 * FLAT_TO_6(k + 1) for k in tail)
+    assert cost <= 1.02 * T1 * len(tail)
+
+
+def test_priced_t1_is_the_batchs_pass_over_its_price():
+    """t1 from a round in a batch: the pass's seconds over the price of all its rows."""
+    policy = AdaptiveDraftLength()
+    policy.use_prices(FLAT_TO_6)
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    policy.begin(state)
+    policy.observe(state, 3, 3, 0.003, T1 * 2.0, rows=8)  # two requests: 4 + 4 rows
+    assert policy.cost_model(state).t1 == pytest.approx(T1)
+
+
+def test_the_engine_gives_the_targets_prices_and_each_passs_rows(tiny_target):
+    """The engine hands the policy the target verifier's prices when it is built (none for a
+    model never probed), and reports each round's verify rows: at batch 2 in lockstep, both
+    requests' drafts and bonus rows."""
+    hf, lm = tiny_target
+    assert lm.row_probe is None
+    unprobed = AdaptiveDraftLength()
+    SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=3),
+                        draft_length=unprobed)
+    assert unprobed.prices is None
+    try:
+        lm.row_probe = RowProbe({1: 1.0, 2: 1.5}, 1)
+        probed = AdaptiveDraftLength()
+        SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=3),
+                            draft_length=probed)
+        assert probed.prices == RowPrices({1: 1.0, 2: 1.5}, lm.min_rows)
+    finally:
+        lm.row_probe = None
+    recorder = _RowsRecorder()
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
+                               drafter=PLDDrafter(k=3, min_ngram=1), draft_length=recorder)
+    sched = Scheduler(pipe, 2, KVLayout(kind="contiguous"), max_context=64)
+    sched.generate([SeqRequest([7] * 8, 6), SeqRequest([7] * 8, 6)])
+    first, second = recorder.rows.values()
+    assert first == second and first
+    assert all(rows == 2 * (drafted + 1) for rows, drafted in first)
+    assert any(drafted > 0 for _, drafted in first)
+
+
+class _RowsRecorder:
+    """Always the limit; per request, each round's (rows, drafted) the engine reports."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, list[tuple[int, int]]] = {}
+
+    def begin(self, state: DecodeState) -> None:
+        self.rows[id(state)] = []
+
+    def use_prices(self, prices) -> None:
+        pass
+
+    def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
+        return limit
+
+    def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="",
+                rows=0) -> None:
+        self.rows[id(state)].append((rows, drafted))

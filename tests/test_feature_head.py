@@ -162,12 +162,15 @@ def test_drafter_sitting_out_rounds_reads_the_features_later(qwen, trained):
         def begin(self, state):
             state.locals[self] = 0
 
+        def use_prices(self, prices):
+            pass
+
         def choose(self, state, k_max, part=""):
             state.locals[self] = n = state.locals[self] + 1
             return k_max if n % 2 else 0
 
         def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0,
-                    part=""):
+                    part="", rows=0):
             pass
 
     pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),

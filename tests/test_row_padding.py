@@ -11,11 +11,13 @@ from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.models.native import NativeLM, linear, pack
 from specflow.models.row_padding import (
+    RowPrices,
     RowProbe,
     apply_min_rows,
     choose_min_rows,
     probe_min_rows,
     row_padding_info,
+    row_prices,
 )
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 from specflow.scheduler import generate
@@ -99,3 +101,40 @@ def test_padded_decoding_equals_hf_greedy(min_rows):
         pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
         for p in prompts:
             assert generate(pipe, p, 20).tokens == hf_greedy(hf, p, 20)
+
+
+def test_row_prices_are_the_probes_seconds_against_a_step_padding_included():
+    """price(n) = S(max(n, m)) / S(max(1, m)): measured counts exactly, linear between two,
+    the line through the two largest beyond them; a step (1 row) is 1."""
+    seconds = {1: 10.0, 2: 11.0, 4: 12.0, 8: 16.0, 12: 22.0}
+    prices = RowPrices(seconds, min_rows=1)
+    assert [prices(n) for n in (1, 2, 3, 4, 8, 12)] == [1.0, 1.1, 1.15, 1.2, 1.6, 2.2]
+    assert prices(6) == pytest.approx(1.4) and prices(16) == pytest.approx(2.8)
+    padded = RowPrices(seconds, min_rows=4)  # every pass of <= 4 rows runs 4: a step
+    assert [padded(n) for n in (1, 3, 4)] == [1.0, 1.0, 1.0]
+    assert padded(8) == pytest.approx(16 / 12)
+    with pytest.raises(ValueError, match="1 row"):
+        RowPrices({2: 1.0, 4: 2.0}, 1)
+
+
+def test_row_prices_come_only_from_a_probe_this_process_ran():
+    hf = tiny_hf_model("llama", num_layers=2)
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-prices"))
+    assert row_prices(lm) is None and lm.row_probe is None  # min_rows given: not probed
+    assert row_prices(hf) is None  # another backend
+    lm.row_probe = RowProbe({1: 2.0, 2: 2.0, 3: 3.0}, 1, priced={8: 8.0})
+    lm.min_rows = 2
+    prices = row_prices(lm)
+    assert prices == RowPrices({1: 2.0, 2: 2.0, 3: 3.0, 8: 8.0}, 2)
+    assert prices(1) == 1.0 and prices(3) == 1.5 and prices(8) == 4.0
+    assert row_padding_info(lm)["probe_ms"] == {"1": 2000.0, "2": 2000.0, "3": 3000.0,
+                                                "8": 8000.0}
+
+
+@needs_onednn
+def test_the_probe_times_priced_row_counts_without_choosing_them():
+    hf = tiny_hf_model("llama", num_layers=2)
+    packed = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-priced"))
+    probe = probe_min_rows(packed, candidates=(1, 2), layers=1, repeats=1, priced=(2, 8))
+    assert sorted(probe.seconds) == [1, 2] and sorted(probe.priced) == [8]
+    assert probe.chosen in (1, 2)

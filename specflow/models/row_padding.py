@@ -10,6 +10,10 @@ is never assumed: ``model.min_rows`` gives it, or ``null`` probes it once per mo
 process on the model's own packed matrices (``probe_min_rows``), and keeps 1 unless a row
 count is faster by more than ``MARGIN``.
 
+The same probe prices a verification pass (``RowPrices``): it also times ``PRICED`` row counts
+(never chosen as padding), so a draft-length policy knows what k + 1 verify rows cost against
+a one-token step without fitting that from noisy round times.
+
 Padding appends zero rows to the input of each packed multiply and drops their outputs
 (``specflow.models.native.linear``).  Every output row depends only on its own input row;
 a kernel chosen for another row count may round differently in the last bits, as a
@@ -22,7 +26,7 @@ import logging
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,15 +37,62 @@ log = logging.getLogger(__name__)
 
 MARGIN = 0.05  # a padded row count must be this much faster than 1 row to be chosen
 CANDIDATES = (1, 2, 3, 4, 5, 6)
+PRICED = (8, 12, 16)  # timed for RowPrices only: verify passes of longer drafts and batches
 
 
 @dataclass(frozen=True)
 class RowProbe:
-    """What ``probe_min_rows`` measured: median seconds of the probed matmuls per row count,
-    and the row count chosen (``choose_min_rows``)."""
+    """What ``probe_min_rows`` measured: median seconds of the probed matmuls per candidate
+    row count, the row count chosen (``choose_min_rows``), and the seconds of the larger row
+    counts timed for pricing only (``priced``)."""
 
     seconds: dict[int, float]
     chosen: int
+    priced: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RowPrices:
+    """What one target pass over n rows costs relative to a one-token decoding step, as the
+    row probe measured it on the model's own packed matmuls (``row_prices``).
+
+    With row padding m (``model.min_rows``) a pass of n rows multiplies max(n, m) rows, and a
+    decoding step m, so
+
+        price(n) = S(max(n, m)) / S(max(1, m))
+
+    where S(r) is the probe's median seconds at r rows: measured where r was timed, linear
+    between two timed counts, and beyond the largest one continued along the line through
+    the two largest.  It prices the matmuls, which are most of a CPU pass; attention over the
+    context and the per-layer overhead grow less per row, so a pass's true price rises a
+    little slower than this.  Invariant: price(1) = 1.
+
+    Attributes:
+        seconds: the probe's median seconds by row count (at least two counts, 1 included).
+        min_rows: the model's row padding in effect.
+    """
+
+    seconds: dict[int, float]
+    min_rows: int
+
+    def __post_init__(self) -> None:
+        if len(self.seconds) < 2 or 1 not in self.seconds:
+            raise ValueError("RowPrices needs the probe's seconds at 1 row and one more count")
+
+    def _seconds_at(self, rows: int) -> float:
+        counts = sorted(self.seconds)
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = [c for c in counts if c < rows]
+        above = [c for c in counts if c > rows]
+        lo, hi = (below[-1], above[0]) if above else (counts[-2], counts[-1])
+        slope = (self.seconds[hi] - self.seconds[lo]) / (hi - lo)
+        return max(self.seconds[lo] + slope * (rows - lo), 0.0)
+
+    def __call__(self, rows: int) -> float:
+        """The price of a pass over ``rows`` (>= 1) rows, a one-token step being 1."""
+        base = self._seconds_at(max(1, self.min_rows))
+        return self._seconds_at(max(rows, self.min_rows)) / base
 
 
 def choose_min_rows(seconds: Mapping[int, float], margin: float = MARGIN) -> int:
@@ -78,15 +129,18 @@ def time_rows(layers: Sequence[Sequence[torch.Tensor]], candidates: Sequence[int
 
 
 def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers: int = 4,
-                   repeats: int = 5) -> RowProbe:
+                   repeats: int = 5, priced: Sequence[int] = PRICED) -> RowProbe:
     """Time ``lm``'s own packed matmuls (the four matrices of its first ``layers`` layers:
-    ``time_rows``) for each row count and choose (``choose_min_rows``); an unpacked model is
-    never padded (``chosen`` 1, nothing timed)."""
+    ``time_rows``) for each candidate row count and choose (``choose_min_rows``), and for
+    each ``priced`` row count (``RowPrices``, never chosen); an unpacked model is never
+    padded (``chosen`` 1, nothing timed)."""
     if not lm.packed:
         return RowProbe({}, 1)
     used = [[w.wqkv, w.wo, w.w_gate_up, w.w_down] for w in lm.layers[: max(1, layers)]]
-    seconds = time_rows(used, candidates, repeats)
-    return RowProbe(seconds, choose_min_rows(seconds))
+    extra = [r for r in priced if r not in candidates]
+    timed = time_rows(used, [*candidates, *extra], repeats)
+    seconds = {r: timed[r] for r in candidates}
+    return RowProbe(seconds, choose_min_rows(seconds), {r: timed[r] for r in extra})
 
 
 def apply_min_rows(lm: object, setting: int | None) -> None:
@@ -117,9 +171,25 @@ def row_probe(lm: NativeLM) -> RowProbe:
     if not isinstance(probe, RowProbe):
         probe = lm.row_probe = probe_min_rows(lm)
         log.info("%s: packed matmul ms by rows %s (fastest beyond the margin: %d)",
-                 lm.info.name, {r: round(s * 1e3, 2) for r, s in probe.seconds.items()},
+                 lm.info.name, {r: round(s * 1e3, 2)
+                                 for r, s in {**probe.seconds, **probe.priced}.items()},
                  probe.chosen)
     return probe
+
+
+def row_prices(lm: object) -> RowPrices | None:
+    """The price of a verification pass of ``lm`` by row count (``RowPrices``), from the row
+    probe this process ran on it (``model.min_rows=null``, the default, or a stage that
+    needed the probe); ``None`` where nothing was timed: ``model.min_rows`` given and never
+    probed, another backend, weights that are not packed (a GPU's, an unpacked CPU
+    model's).  A policy then measures the price itself."""
+    if not isinstance(lm, NativeLM) or not isinstance(lm.row_probe, RowProbe):
+        return None
+    probe = lm.row_probe
+    timed = {**probe.seconds, **probe.priced}
+    if len(timed) < 2 or 1 not in timed:
+        return None
+    return RowPrices(timed, lm.min_rows)
 
 
 def row_padding_info(lm: object) -> dict[str, object]:
@@ -128,7 +198,8 @@ def row_padding_info(lm: object) -> dict[str, object]:
     if not isinstance(lm, NativeLM):
         return {"min_rows": 1}
     probe = lm.row_probe
-    probed = ({str(r): round(t * 1e3, 3) for r, t in probe.seconds.items()}
+    probed = ({str(r): round(t * 1e3, 3)
+               for r, t in sorted({**probe.seconds, **probe.priced}.items())}
               if isinstance(probe, RowProbe) else None)
     return {"min_rows": lm.min_rows, "probe_ms": probed}
 
