@@ -132,10 +132,13 @@ class SpeculativePipeline:
             )
         self.drafter = drafter
         self.draft_length = draft_length
-        if draft_length is not None:
-            # What a verify pass of n rows costs, where measured (the row probe): a policy
-            # then prices a draft's rows instead of fitting their cost from round times.
-            draft_length.use_prices(target_verifier.row_prices())
+        # Whether the target verifier's passes are whole: no stage before it runs the
+        # target's first layers for the drafted positions (an early-exit or layer-skip
+        # drafter, an intermediate verifier), so its seconds are a whole pass over its rows
+        # and the row probe's prices apply to them (``DraftLengthPolicy.use_prices``).
+        target_lms = {id(use.lm) for use in target_verifier.uses()}
+        self._whole_passes = drafter is None or not any(
+            id(use.lm) in target_lms and not use.reads_only for use in drafter.uses())
         self.clock = clock
         self.name = name
         self.level = level
@@ -209,6 +212,12 @@ class SpeculativePipeline:
         if self.k is None:
             self.target_verifier.begin(states)
         if self.draft_length is not None:
+            # What a verify pass of n rows costs, where measured (the row probe of the model
+            # the sessions run) and the passes are whole: the policy then prices a draft's
+            # rows instead of fitting their cost from round times.
+            self.draft_length.use_prices(
+                self.target_verifier.row_prices(states) if self._whole_passes and states
+                else None)
             for st in states:
                 self.draft_length.begin(st)
         if self.drafter is not None:
@@ -270,7 +279,7 @@ class SpeculativePipeline:
             )
         t3 = self.clock()
         out = []
-        rows = sum(len(d.tokens) + 1 for d in drafts)  # the verification pass's rows
+        batch_rows = sum(len(d.tokens) + 1 for d in drafts)  # the verification pass's rows
         rounds = zip(states, asked, parts, drafts, verdicts, logits, strict=True)
         for st, n, part, draft, verdict, lg in rounds:
             st.stats.asked_per_round.append(n)
@@ -288,7 +297,7 @@ class SpeculativePipeline:
                 # A tree's nodes are not a longer draft: the policy sees its depth.
                 self.draft_length.observe(
                     st, draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s,
-                    part=round_part, rows=rows,
+                    part=round_part, rows=drafted + 1, batch_rows=batch_rows,
                 )
             st.stats.record_round(
                 self.level, drafted, accepted, tree=draft.parents is not None,

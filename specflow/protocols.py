@@ -149,10 +149,11 @@ class TargetVerifier(Protocol):
     def uses(self) -> list[ModelUse]:
         """The model session this verifier scores with (the target at its exit)."""
 
-    def row_prices(self) -> RowPrices | None:
-        """What a scoring pass over n rows costs against a one-token step, as measured on
-        this machine (``specflow.models.row_padding.RowPrices``), or ``None`` where it is
-        not measured (a draft-length policy then measures it from its rounds)."""
+    def row_prices(self, states: list[DecodeState]) -> RowPrices | None:
+        """What a scoring pass over n rows of the model these requests' sessions run costs
+        against a one-token step, as measured in this process
+        (``specflow.models.row_padding.RowPrices``), or ``None`` where it is not measured (a
+        draft-length policy then measures it from its rounds)."""
 
 
 @runtime_checkable
@@ -235,8 +236,9 @@ class DraftLengthPolicy(Protocol):
     def begin(self, state: DecodeState) -> None: ...
 
     def use_prices(self, prices: RowPrices | None) -> None:
-        """The target verifier's ``row_prices``, given once by the engine when it is built
-        (``None``: not measured)."""
+        """The target verifier's ``row_prices``, given by the engine as requests begin;
+        ``None`` where not measured, or where the target's passes are partial (a drafter or
+        an intermediate verifier ran its first layers)."""
 
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         """The asked draft length, in ``0..limit`` (``limit = min(part's k, budget - 1)``,
@@ -252,12 +254,15 @@ class DraftLengthPolicy(Protocol):
         catchup_s: float = 0.0,
         part: str = "",
         rows: int = 0,
+        batch_rows: int = 0,
     ) -> None:
         """What the round did: tokens drafted (a tree: its depth) and accepted, seconds
         drafting (without the drafter's catch-up) and verifying, and seconds the drafter
         spent catching up; ``part``: the part that drafted (``Draft.part``), or, for a plain
-        round, the part the policy chose 0 for; ``rows``: the rows of the verification pass
-        those seconds paid for, every request of the batch together (0: ``drafted + 1``)."""
+        round, the part the policy chose 0 for; ``rows``: the request's verify rows (its
+        draft's tokens or tree nodes + 1; 0: ``drafted + 1``); ``batch_rows``: the rows of
+        the whole verification pass those seconds paid for, every request of the batch
+        together (0: ``rows``)."""
 
 
 @runtime_checkable

@@ -24,14 +24,25 @@ stay in beta as a cost of drafting once a plain round re-measures ``t1``.
 It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..limit``.
 
 Priced rows.  Where the target verifier measured what its passes cost by row count (the row
-probe of a packed CPU model, ``TargetVerifier.row_prices``; ``row_prices: true``), beta is not
-fitted: ``t_verify(n) = t1 * price(n)``, with the row padding in the price (a pass of n <=
-``model.min_rows`` rows costs a step).  Fitted from round times, beta swings widely within one
-request (0.00-0.14 of a step a token on the 1.5B, ``docs/benchmarks.md`` §25), because one
-verification's seconds vary by a third; the probe's price is one number per process.  Every
-round then measures t1 too, as ``verify_s / price(rows)`` over the pass's rows (the whole
-batch's), so no request needs a plain round to measure it, and a plain round is only ever the
-policy's choice.  alpha is estimated from
+probe of a packed CPU model, ``TargetVerifier.row_prices``; ``row_prices: true``) and its
+passes are whole (no drafter or intermediate verifier has run the target's first layers for
+it: the engine gives no prices otherwise), beta is not fitted.  A round drafting k tokens
+verifies ``o + 1 + w k`` rows, with o the other requests' rows in the batch's pass (0 at
+batch 1) and w the rows a drafted token brings (1 for a chain, about the branches for a
+tree), both averaged over the request's rounds, and
+
+    t_verify(k) = t1 * price(o + 1 + w k),     a plain round: t1 * price(o + 1)
+
+with the row padding in the price (a pass of at most ``model.min_rows`` rows costs a step).
+Fitted from round times, beta swings widely within one request (0.00-0.14 of a step a token
+on the 1.5B), because one verification's seconds vary by a third; the probe's price is one
+number per process.  Every round measures t1 too, as ``verify_s / price(rows of the pass)``,
+so no request needs a plain round to measure it, and a plain round is only ever the policy's
+choice.  It is off by default: on the 2-vCPU AMD EPYC of ``docs/benchmarks.md`` §25 it was no
+faster than the fitted beta: the probe (the matmuls of four layers) priced a whole pass of
+5-7 rows 0.1-0.15 of a step below what it took, and a head whose first three rounds failed was
+kept out at a 2-row price of 1.17 for the rest of the run's first request and, through the
+inherited evidence, most of the next two.  alpha is estimated from
 the positions tried (a position is tried when every earlier one was accepted), with a
 Beta(1, 1) prior and a discount so it follows drift within a request, and used
 optimistically (alpha + ``optimism`` standard errors).
@@ -53,7 +64,8 @@ are worth different lengths (a copy, once it matches, is accepted far more often
 head's token, and costs nothing to draft).  Each request keeps one cost model per part,
 chosen with and fed by that part's rounds only, so the copies are asked for at their own
 length and the head at its own.  t1 (and with it the plain rounds) is the target's: a plain
-round updates every part's t1; the part that sat out counts it in its ``plain_streak``.  A
+round (with priced rows, any round) updates every part's t1; the part that sat out counts a
+plain round in its ``plain_streak``.  A
 drafter of one part has one model.  ``by_part: false`` pools every part in one model (the
 policy before parts, kept to measure against).
 
@@ -65,10 +77,10 @@ drafter (cost: ~1/probe_every of a token); with ``idle_discount < 1`` each plain
 shrinks the acceptance evidence (pooled and per position) by that factor, so the longer a
 drafter sits out, the closer its estimate returns to the optimistic Beta(1, 1) prior and the
 sooner the policy tries it again (evidence gathered at a break-even acceptance otherwise
-keeps a useful drafter out for the rest of a request).  Each request runs one plain round
-early (its second round, or its first when timings are inherited) so that t1 is measured, not
-derived: from drafting rounds alone t1 and beta cannot be told apart, and t1 grows with the
-context.
+keeps a useful drafter out for the rest of a request).  Without priced rows, each request
+runs one plain round early (its second round, or its first when timings are inherited) so
+that t1 is measured, not derived: from drafting rounds alone t1 and beta cannot be told
+apart, and t1 grows with the context.
 A model drafter that is behind (its lazy prefill, tokens committed while it sat idle) must
 catch up before it drafts; that one-off cost (measured seconds per position x positions
 behind) is charged against drafting: the policy resumes only when the expected saving over
@@ -108,6 +120,7 @@ class FixedDraftLength:
         catchup_s: float = 0.0,
         part: str = "",
         rows: int = 0,
+        batch_rows: int = 0,
     ) -> None:
         pass
 
@@ -142,6 +155,7 @@ class HeuristicDraftLength:
         catchup_s: float = 0.0,
         part: str = "",
         rows: int = 0,
+        batch_rows: int = 0,
     ) -> None:
         if drafted == 0:
             return
@@ -160,13 +174,15 @@ class CostModel:
     t1: float | None = None  # seconds of a one-token target pass (EMA)
     beta: float = 0.1  # marginal cost of an extra verified token, relative to t1
     plain_streak: int = 0  # consecutive rounds without drafting
-    t1_measured: bool = False  # a plain round of this request has measured t1
+    t1_measured: bool = False  # a round of this request measured t1 (a plain one, unpriced)
     t_catchup: float | None = None  # seconds per position of a drafter catch-up (EMA)
     synced_at: int | None = None  # sequence length at this request's last drafting round
     verify_draft: float | None = None  # seconds of a drafting round's verification (EMA)
     k_draft: float | None = None  # tokens drafted in a drafting round (EMA, same weights)
     pos_tried: list[float] = field(default_factory=list)  # [j]: position j+1 tried (discounted)
     pos_accepted: list[float] = field(default_factory=list)  # [j]: ... and accepted
+    width: float | None = None  # verify rows per drafted depth (EMA; 1: chains; priced rows)
+    others: float | None = None  # the other requests' rows in the pass (EMA; priced rows)
 
     def refit_beta(self) -> None:
         """beta from the drafting rounds' averages against the current t1 (module doc)."""
@@ -255,7 +271,8 @@ class AdaptiveDraftLength:
         by_part: one cost model per part of the drafter (``Drafter.next_part``; module
             doc); false: one for all parts, whichever drafts.
         row_prices: price verify rows with the target verifier's measured ``row_prices``
-            where it has them (module doc); false: fit beta from the rounds' times always.
+            where it has them (module doc); false (the default): fit beta from the rounds'
+            times.
     """
 
     def __init__(
@@ -271,7 +288,7 @@ class AdaptiveDraftLength:
         acceptance: str = "geometric",
         position_strength: float = 2.0,
         by_part: bool = True,
-        row_prices: bool = True,
+        row_prices: bool = False,
     ) -> None:
         if acceptance not in ACCEPTANCE_MODELS:
             raise ConfigError(
@@ -321,13 +338,14 @@ class AdaptiveDraftLength:
         """The row prices in use (``None``: beta fitted from the rounds' times)."""
         return self._prices
 
-    def verify_seconds(self, m: CostModel, rows: int) -> float:
-        """Expected seconds of a verification of ``rows`` rows: ``t1 * price(rows)`` with
-        priced rows, else ``t1 * (1 + beta (rows - 1))`` (module doc)."""
+    def verify_seconds(self, m: CostModel, k: int) -> float:
+        """Expected seconds of the verification of a round drafting ``k`` tokens (0: a plain
+        round): ``t1 * price(o + 1 + w k)`` with priced rows, else ``t1 * (1 + beta k)``
+        (module doc)."""
         assert m.t1 is not None
         if self._prices is not None:
-            return m.t1 * self._prices(rows)
-        return m.t1 * (1.0 + m.beta * (rows - 1))
+            return m.t1 * self._prices((m.others or 0.0) + 1.0 + (m.width or 1.0) * k)
+        return m.t1 * (1.0 + m.beta * k)
 
     def _inherit(self, part: str) -> CostModel:
         """A part's model for a new request: what earlier requests of this run measured
@@ -344,6 +362,7 @@ class AdaptiveDraftLength:
             t1=prev.t1,
             beta=prev.beta,
             t_catchup=prev.t_catchup,
+            width=prev.width,
             pos_tried=list(prev.pos_tried),
             pos_accepted=list(prev.pos_accepted),
         )
@@ -369,7 +388,7 @@ class AdaptiveDraftLength:
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         m = self.cost_model(state, part)
         if m.t1 is None or m.t_draft is None:
-            return limit  # measure a drafting round first (t1 comes from k = 0 or is derived)
+            return limit  # measure a drafting round first
         if not m.t1_measured and self._prices is None:
             # One plain round per request measures t1 itself: derived from drafting rounds
             # alone, t1 and beta are confounded (and t1 grows with the context length).
@@ -377,22 +396,23 @@ class AdaptiveDraftLength:
             return 0
         catchup = self._catchup_cost(state, m)
         remaining = max(0, state.max_len - 1 - len(state.tokens))  # tokens still allowed
+        plain_s = self.verify_seconds(m, 0)  # a plain round's seconds (t1 unpriced)
         if m.plain_streak >= self.probe_every:
             # Re-probe a skipped drafter (it may have become useful), unless bringing it up
             # to date would cost more than `probe_budget` of what is left to decode.
-            return 1 if catchup <= self.probe_budget * remaining * m.t1 else 0
+            return 1 if catchup <= self.probe_budget * remaining * plain_s else 0
         alpha = m.alpha(self.optimism)
         alphas = (m.position_alphas(limit, self.optimism, self.position_strength)
                   if self.acceptance == "per_position" else [])
-        best_k, best_rate = 0, 1.0 / m.t1
+        best_k, best_rate = 0, 1.0 / plain_s
         for k in range(1, limit + 1):
-            cost = k * m.t_draft + self.verify_seconds(m, k + 1)
+            cost = k * m.t_draft + self.verify_seconds(m, k)
             tokens = (expected_tokens_by_position(alphas, k) if alphas
                       else expected_tokens(alpha, k))
             rate = tokens / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        if best_k and catchup > remaining * (m.t1 - 1.0 / best_rate):
+        if best_k and catchup > remaining * (plain_s - 1.0 / best_rate):
             return 0  # drafting would pay per token, but not back the drafter's catch-up
         return best_k
 
@@ -417,6 +437,7 @@ class AdaptiveDraftLength:
         catchup_s: float = 0.0,
         part: str = "",
         rows: int = 0,
+        batch_rows: int = 0,
     ) -> None:
         if not self.by_part:
             part = ""
@@ -428,15 +449,17 @@ class AdaptiveDraftLength:
             return new if old is None else (1 - w) * old + w * new
 
         rows = rows or drafted + 1
+        batch_rows = max(batch_rows, rows)
         # A plain round measures t1 (the target's, so every part's), and with priced rows
-        # so does every round: seconds of its pass over the price of its rows.
-        t1_seen = (verify_s / self._prices(rows) if self._prices is not None
+        # so does every round: seconds of its pass over the price of the pass's rows.
+        t1_seen = (verify_s / self._prices(batch_rows) if self._prices is not None
                    else verify_s if drafted == 0 else None)
         if t1_seen is not None:
             for other in self._models.get(state).values():
                 other.t1 = t1_seen if not other.t1_measured else smooth(other.t1, t1_seen)
                 other.t1_measured = True
                 other.refit_beta()
+                other.others = smooth(other.others, float(batch_rows - rows))
         if drafted == 0:
             m.plain_streak += 1  # the part that sat out
             m.scale_evidence(self.idle_discount)
@@ -450,6 +473,7 @@ class AdaptiveDraftLength:
         m.accepted = self.discount * m.accepted + accepted
         m.record_positions(drafted, accepted, self.discount)
         m.t_draft = smooth(m.t_draft, draft_s / drafted)
+        m.width = smooth(m.width, (rows - 1) / drafted)
         m.verify_draft = smooth(m.verify_draft, verify_s)
         m.k_draft = smooth(m.k_draft, float(drafted))
         if m.t1 is None:

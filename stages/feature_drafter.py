@@ -229,7 +229,7 @@ class FeatureDrafter:
         self._trees_paid: bool | None = None  # its last decision (logged when it changes)
         if trees == "measured" and branches > 1 and self.lm.device.type == "cpu":
             # The prices of rows: a target whose model.min_rows was given, not probed, is
-            # probed once here (about a second; its row padding unchanged, the run summary's
+            # probed once here (one or two seconds; its row padding unchanged, the run summary's
             # row_padding shows the milliseconds).
             row_probe(self.lm)
 

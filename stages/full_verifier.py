@@ -28,9 +28,9 @@ class FullVerifier:
     def uses(self) -> list[ModelUse]:
         return [ModelUse(self.lm, self.info.num_layers)]
 
-    def row_prices(self) -> RowPrices | None:
-        """The target's pass price by row count, from its row probe (``row_prices``)."""
-        return row_prices(self.lm)
+    def row_prices(self, states: list[DecodeState]) -> RowPrices | None:
+        """The pass price by row count of the model the sessions run (``row_prices``)."""
+        return row_prices(states[0].session(self.lm).model) if states else None
 
     def begin(self, states: list[DecodeState]) -> None:
         catch_up(states, self.lm, self.info.num_layers)

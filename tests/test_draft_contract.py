@@ -89,8 +89,8 @@ class Spy:
     def begin(self, states):
         self.inner.begin(states)
 
-    def row_prices(self):
-        return self.inner.row_prices()
+    def row_prices(self, states):
+        return self.inner.row_prices(states)
 
     def score(self, states, drafts):
         self.scored += [len(d.tokens) for d in drafts]
@@ -249,7 +249,7 @@ class _RecordingPolicy:
         return limit
 
     def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="",
-                rows=0):
+                rows=0, batch_rows=0):
         if drafted:
             self.draft_s.append(draft_s)
             self.catchup_s.append(catchup_s)

@@ -13,7 +13,7 @@ from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.stores import KVLayout, KVStores
 from specflow.models.row_padding import RowPrices, RowProbe
-from specflow.protocols import DraftPart
+from specflow.protocols import DraftPart, ModelUse
 from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import DecodeState, Draft, PartStats
 from stages.draft_length import (
@@ -195,7 +195,8 @@ class _PartRecorder:
         return 0 if part in self.skip else limit
 
     def observe(
-        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="", rows=0
+        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="", rows=0,
+        batch_rows=0,
     ) -> None:
         self.rounds[id(state)].append((self.asked.pop(id(state), None), part, drafted))
 
@@ -276,7 +277,8 @@ class _RecordingPolicy:
         return k_max
 
     def observe(
-        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="", rows=0
+        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="", rows=0,
+        batch_rows=0,
     ) -> None:
         if drafted:  # rounds that drafted (the last round of a budget may not)
             self.draft_s.append(draft_s)
@@ -498,16 +500,19 @@ def test_plain_decoding_with_a_policy(tiny_target):
 FLAT_TO_6 = RowPrices({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 1.0, 8: 2.0}, 1)
 
 
-def _priced_rounds(policy, rounds: int, alpha_all: bool = True) -> list[int]:
-    """Synthetic rounds whose verification takes exactly ``T1 * FLAT_TO_6(rows)``."""
+def _priced_rounds(policy, rounds: int, alpha_all: bool = True, width: int = 1,
+                   others: int = 0) -> list[int]:
+    """Synthetic rounds whose verification takes exactly ``T1 * FLAT_TO_6(rows)``: a draft of
+    depth k verifies ``1 + width * k`` rows of its own, ``others`` rows of other requests."""
     state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
     policy.begin(state)
     ks = []
     for _ in range(rounds):
         k = policy.choose(state, 8)
         ks.append(k)
-        policy.observe(state, k, k if alpha_all else 0, k * 0.001, T1 * FLAT_TO_6(k + 1),
-                       rows=k + 1)
+        own = 1 + width * k
+        policy.observe(state, k, k if alpha_all else 0, k * 0.001,
+                       T1 * FLAT_TO_6(own + others), rows=own, batch_rows=own + others)
     return ks
 
 
@@ -515,7 +520,7 @@ def test_priced_rows_stop_a_perfect_drafter_where_rows_start_to_cost():
     """With the probe's prices, a drafter whose every token is accepted is asked for 5 (6
     verify rows, what a step pays for), not the cap of 8, and no round is a plain one:
     every round measures t1 as seconds over the price of its rows."""
-    policy = AdaptiveDraftLength()
+    policy = AdaptiveDraftLength(row_prices=True)
     policy.use_prices(FLAT_TO_6)
     assert policy.prices is FLAT_TO_6
     ks = _priced_rounds(policy, 40)
@@ -524,50 +529,83 @@ def test_priced_rows_stop_a_perfect_drafter_where_rows_start_to_cost():
     policy.begin(state)
     assert policy.choose(state, 8) == 5  # a new request: no plain round to measure t1
     assert policy.cost_model(state).t1 == pytest.approx(T1)
-    unpriced = AdaptiveDraftLength(row_prices=False)
+    unpriced = AdaptiveDraftLength()  # the default: beta fitted
     unpriced.use_prices(FLAT_TO_6)
     assert unpriced.prices is None
     assert _priced_rounds(unpriced, 3)[1] == 0  # without prices: the plain round for t1
 
 
+def test_priced_rows_count_a_trees_nodes_and_the_rest_of_the_batch():
+    """A tree of 2 branches verifies 2 rows a depth: the perfect drafter is asked for depth
+    2 (5 rows), not 5.  Beside 4 rows of other requests a chain of 1 fills the 6 rows a step
+    pays for; t1 is the pass's seconds over the price of all its rows."""
+    tree = AdaptiveDraftLength(row_prices=True)
+    tree.use_prices(FLAT_TO_6)
+    assert _priced_rounds(tree, 20, width=2)[1:] == [2] * 19
+    batch = AdaptiveDraftLength(row_prices=True)
+    batch.use_prices(FLAT_TO_6)
+    assert _priced_rounds(batch, 20, others=4)[1:] == [1] * 19
+    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    batch.begin(state)
+    batch.observe(state, 3, 3, 0.003, T1 * 2.0, rows=4, batch_rows=8)  # 8 rows: 2 steps
+    assert batch.cost_model(state).t1 == pytest.approx(T1)
+    assert batch.cost_model(state).others == 4.0
+
+
 def test_priced_rows_still_skip_a_useless_drafter():
     """Its tokens cost 0.1 of a step each and are never accepted: after the first rounds
     only 1-token re-probes, costing under 2 % over plain decoding."""
-    ks = _priced_rounds(AdaptiveDraftLength(), 200, alpha_all=False)
+    policy = AdaptiveDraftLength(row_prices=True)
+    policy.use_prices(FLAT_TO_6)
+    ks = _priced_rounds(policy, 200, alpha_all=False)
     tail = ks[50:]
     assert max(tail) <= 1 and sum(k == 0 for k in tail) >= 0.85 * len(tail)
     cost = sum(k * 0.001 + T1 * FLAT_TO_6(k + 1) for k in tail)
     assert cost <= 1.02 * T1 * len(tail)
 
 
-def test_priced_t1_is_the_batchs_pass_over_its_price():
-    """t1 from a round in a batch: the pass's seconds over the price of all its rows."""
-    policy = AdaptiveDraftLength()
-    policy.use_prices(FLAT_TO_6)
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
-    policy.begin(state)
-    policy.observe(state, 3, 3, 0.003, T1 * 2.0, rows=8)  # two requests: 4 + 4 rows
-    assert policy.cost_model(state).t1 == pytest.approx(T1)
+class _ExitDrafter:
+    """The oracle, declaring that it runs the target's first 2 layers (an early exit's
+    ``uses``) unless ``reads_only`` (a feature head's)."""
+
+    def __init__(self, oracle: OracleDrafter, lm, reads_only: bool) -> None:
+        self.oracle, self.lm, self.reads_only = oracle, lm, reads_only
+        self.name, self.k, self.branches = "exit", oracle.k, 1
+
+    def __getattr__(self, member):
+        return getattr(self.oracle, member)
+
+    def uses(self):
+        return [ModelUse(self.lm, 2, reads_only=self.reads_only)]
 
 
-def test_the_engine_gives_the_targets_prices_and_each_passs_rows(tiny_target):
-    """The engine hands the policy the target verifier's prices when it is built (none for a
-    model never probed), and reports each round's verify rows: at batch 2 in lockstep, both
-    requests' drafts and bonus rows."""
+def test_the_engine_gives_prices_of_whole_passes_and_each_passs_rows(tiny_target):
+    """The engine hands the policy the target verifier's prices as requests begin: none for
+    a model never probed, none where a drafter runs the target's first layers (the verify
+    pass is then partial), the probe's otherwise.  It reports each round's rows: at batch 2
+    in lockstep, the request's own and both requests' together."""
     hf, lm = tiny_target
-    assert lm.row_probe is None
-    unprobed = AdaptiveDraftLength()
-    SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=3),
-                        draft_length=unprobed)
-    assert unprobed.prices is None
+    prompt = [1, 5, 9, 17, 33, 5, 9]
+    truth = hf_greedy(hf, prompt, 8)
+
+    def prices_given(drafter) -> RowPrices | None:
+        policy = AdaptiveDraftLength(row_prices=True)
+        pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter,
+                                   draft_length=policy)
+        assert generate(pipe, prompt, 8).tokens == truth
+        return policy.prices
+
+    before = lm.row_probe
     try:
-        lm.row_probe = RowProbe({1: 1.0, 2: 1.5}, 1)
-        probed = AdaptiveDraftLength()
-        SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=3),
-                            draft_length=probed)
-        assert probed.prices == RowPrices({1: 1.0, 2: 1.5}, lm.min_rows)
-    finally:
         lm.row_probe = None
+        assert prices_given(PLDDrafter(k=3)) is None
+        lm.row_probe = RowProbe({1: 1.0, 2: 1.5}, 1)
+        oracle = OracleDrafter(truth, len(prompt), lm.info.vocab_size, "always", k=3)
+        assert prices_given(PLDDrafter(k=3)) == RowPrices({1: 1.0, 2: 1.5}, lm.min_rows)
+        assert prices_given(_ExitDrafter(oracle, lm, reads_only=True)) is not None
+        assert prices_given(_ExitDrafter(oracle, lm, reads_only=False)) is None
+    finally:
+        lm.row_probe = before
     recorder = _RowsRecorder()
     pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
                                drafter=PLDDrafter(k=3, min_ngram=1), draft_length=recorder)
@@ -575,15 +613,16 @@ def test_the_engine_gives_the_targets_prices_and_each_passs_rows(tiny_target):
     sched.generate([SeqRequest([7] * 8, 6), SeqRequest([7] * 8, 6)])
     first, second = recorder.rows.values()
     assert first == second and first
-    assert all(rows == 2 * (drafted + 1) for rows, drafted in first)
-    assert any(drafted > 0 for _, drafted in first)
+    assert all(rows == drafted + 1 and batch == 2 * rows for rows, batch, drafted in first)
+    assert any(drafted > 0 for *_, drafted in first)
 
 
 class _RowsRecorder:
-    """Always the limit; per request, each round's (rows, drafted) the engine reports."""
+    """Always the limit; per request, each round's (rows, batch_rows, drafted) the engine
+    reports."""
 
     def __init__(self) -> None:
-        self.rows: dict[int, list[tuple[int, int]]] = {}
+        self.rows: dict[int, list[tuple[int, int, int]]] = {}
 
     def begin(self, state: DecodeState) -> None:
         self.rows[id(state)] = []
@@ -595,5 +634,5 @@ class _RowsRecorder:
         return limit
 
     def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="",
-                rows=0) -> None:
-        self.rows[id(state)].append((rows, drafted))
+                rows=0, batch_rows=0) -> None:
+        self.rows[id(state)].append((rows, batch_rows, drafted))

@@ -170,7 +170,7 @@ def test_drafter_sitting_out_rounds_reads_the_features_later(qwen, trained):
             return k_max if n % 2 else 0
 
         def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0,
-                    part="", rows=0):
+                    part="", rows=0, batch_rows=0):
             pass
 
     pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),

@@ -138,3 +138,23 @@ def test_the_probe_times_priced_row_counts_without_choosing_them():
     probe = probe_min_rows(packed, candidates=(1, 2), layers=1, repeats=1, priced=(2, 8))
     assert sorted(probe.seconds) == [1, 2] and sorted(probe.priced) == [8]
     assert probe.chosen in (1, 2)
+
+
+def test_row_prices_never_fall_with_more_rows_nor_below_a_step():
+    """Noise or a kernel running 3 rows faster than 2 never prices a longer pass below a
+    shorter one (the running maximum), the line beyond the largest count never falls, and a
+    padding that was not timed is priced on the interpolated line."""
+    seconds = {1: 10.0, 2: 12.0, 3: 11.0, 6: 9.0, 8: 13.0, 12: 12.0}
+    prices = RowPrices(seconds, min_rows=1)
+    assert [prices(n) for n in (1, 2, 3, 6, 8, 12, 16, 40)] == [1.0, 1.2, 1.2, 1.2, 1.3, 1.3,
+                                                                1.3, 1.3]
+    padded = RowPrices(seconds, min_rows=6)  # the fastest count: a step runs 6 rows
+    assert padded(1) == padded(6) == 1.0
+    assert padded(7) == pytest.approx(11 / 9) and padded(8) == pytest.approx(13 / 9)
+    untimed = RowPrices(seconds, min_rows=20)  # beyond the counts: flat from 12 on
+    assert untimed(1) == untimed(30) == 1.0
+    for bad in ({1: 0.0, 2: 1.0}, {1: -1.0, 2: 1.0}):
+        with pytest.raises(ValueError, match="seconds > 0"):
+            RowPrices(bad, 1)
+    with pytest.raises(ValueError, match="min_rows >= 1"):
+        RowPrices({1: 1.0, 2: 1.0}, 0)

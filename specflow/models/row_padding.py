@@ -63,13 +63,18 @@ class RowPrices:
 
     where S(r) is the probe's median seconds at r rows: measured where r was timed, linear
     between two timed counts, and beyond the largest one continued along the line through
-    the two largest.  It prices the matmuls, which are most of a CPU pass; attention over the
-    context and the per-layer overhead grow less per row, so a pass's true price rises a
-    little slower than this.  Invariant: price(1) = 1.
+    the two largest (never downwards).  A pass of more rows is never priced below one of
+    fewer: S is taken as its running maximum from the step's row count up, so the probe's
+    noise (or a kernel that runs 3 rows faster than 2) never makes a longer draft look
+    cheaper than a shorter one.  It prices the matmuls, which are most of a CPU pass;
+    attention over the context and the per-layer overhead grow less per row, so a pass's
+    true price rises a little slower than this.  Invariants: price(1) = 1, price(n) >= 1,
+    price non-decreasing in n.
 
     Attributes:
-        seconds: the probe's median seconds by row count (at least two counts, 1 included).
-        min_rows: the model's row padding in effect.
+        seconds: the probe's median seconds by row count (at least two counts, 1 included,
+            every one > 0).
+        min_rows: the model's row padding in effect (>= 1).
     """
 
     seconds: dict[int, float]
@@ -78,21 +83,33 @@ class RowPrices:
     def __post_init__(self) -> None:
         if len(self.seconds) < 2 or 1 not in self.seconds:
             raise ValueError("RowPrices needs the probe's seconds at 1 row and one more count")
+        if min(self.seconds.values()) <= 0 or self.min_rows < 1:
+            raise ValueError(f"RowPrices needs seconds > 0 and min_rows >= 1, got "
+                             f"{self.seconds} and {self.min_rows}")
 
-    def _seconds_at(self, rows: int) -> float:
+    def _seconds_at(self, rows: float) -> float:
+        """S(rows) before the running maximum: measured, interpolated or extrapolated."""
         counts = sorted(self.seconds)
         if rows in self.seconds:
-            return self.seconds[rows]
+            return self.seconds[int(rows)]
         below = [c for c in counts if c < rows]
         above = [c for c in counts if c > rows]
-        lo, hi = (below[-1], above[0]) if above else (counts[-2], counts[-1])
-        slope = (self.seconds[hi] - self.seconds[lo]) / (hi - lo)
-        return max(self.seconds[lo] + slope * (rows - lo), 0.0)
+        if not above:  # beyond the largest count: the line through the two largest, rising
+            lo, hi = counts[-2], counts[-1]
+            slope = max(0.0, (self.seconds[hi] - self.seconds[lo]) / (hi - lo))
+            return self.seconds[hi] + slope * (rows - hi)
+        lo, hi = below[-1], above[0]  # 1 is a count, so a row count >= 1 has one below
+        return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo)
 
-    def __call__(self, rows: int) -> float:
-        """The price of a pass over ``rows`` (>= 1) rows, a one-token step being 1."""
-        base = self._seconds_at(max(1, self.min_rows))
-        return self._seconds_at(max(rows, self.min_rows)) / base
+    def __call__(self, rows: float) -> float:
+        """The price of a pass over ``rows`` (>= 1; a mean over rounds may be fractional)
+        rows, a one-token step being 1."""
+        base_rows = float(self.min_rows)
+        base = self._seconds_at(base_rows)
+        top = max(float(rows), base_rows)
+        # the running maximum of S over [base_rows, top]: its timed counts and both ends
+        points = [top] + [float(c) for c in self.seconds if base_rows < c < top]
+        return max(1.0, max(self._seconds_at(r) for r in points) / base)
 
 
 def choose_min_rows(seconds: Mapping[int, float], margin: float = MARGIN) -> int:
@@ -179,8 +196,9 @@ def row_probe(lm: NativeLM) -> RowProbe:
 
 def row_prices(lm: object) -> RowPrices | None:
     """The price of a verification pass of ``lm`` by row count (``RowPrices``), from the row
-    probe this process ran on it (``model.min_rows=null``, the default, or a stage that
-    needed the probe); ``None`` where nothing was timed: ``model.min_rows`` given and never
+    probe this process ran on that very model (``model.min_rows=null``, the default, or a
+    stage that needed the probe; a copy moved to another device or dtype has none);
+    ``None`` where nothing was timed: ``model.min_rows`` given and never
     probed, another backend, weights that are not packed (a GPU's, an unpacked CPU
     model's).  A policy then measures the price itself."""
     if not isinstance(lm, NativeLM) or not isinstance(lm.row_probe, RowProbe):
