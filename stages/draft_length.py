@@ -38,11 +38,13 @@ Fitted from round times, beta swings widely within one request (0.00-0.14 of a s
 on the 1.5B), because one verification's seconds vary by a third; the probe's price is one
 number per process.  Every round measures t1 too, as ``verify_s / price(rows of the pass)``,
 so no request needs a plain round to measure it, and a plain round is only ever the policy's
-choice.  It is off by default: on the 2-vCPU AMD EPYC of ``docs/benchmarks.md`` §25 it was no
-faster than the fitted beta: the probe (the matmuls of four layers) priced a whole pass of
-5-7 rows 0.1-0.15 of a step below what it took, and a head whose first three rounds failed was
-kept out at a 2-row price of 1.17 for the rest of the run's first request and, through the
-inherited evidence, most of the next two.  alpha is estimated from
+choice.  Measured on the 2-vCPU AMD EPYC of ``docs/benchmarks.md`` §25 (five interleaved
+comparisons: two drafters in two runs on the 1.5B, and the main job on SmolLM2), it was
+ahead of the fitted beta in four, by 1-5 %, and 2.5 % behind in one, so it is the default.
+It is not exact: the probe (the matmuls of four layers) priced a whole pass of 5-7 rows
+0.1-0.15 of a step below what it took, and at a 2-row price of 1.17 a feature head whose
+first three rounds all failed sat out most of the next two requests (the inherited
+evidence).  alpha is estimated from
 the positions tried (a position is tried when every earlier one was accepted), with a
 Beta(1, 1) prior and a discount so it follows drift within a request, and used
 optimistically (alpha + ``optimism`` standard errors).
@@ -271,8 +273,8 @@ class AdaptiveDraftLength:
         by_part: one cost model per part of the drafter (``Drafter.next_part``; module
             doc); false: one for all parts, whichever drafts.
         row_prices: price verify rows with the target verifier's measured ``row_prices``
-            where it has them (module doc); false (the default): fit beta from the rounds'
-            times.
+            where it has them (the default; module doc); false: fit beta from the rounds'
+            times always.
     """
 
     def __init__(
@@ -288,7 +290,7 @@ class AdaptiveDraftLength:
         acceptance: str = "geometric",
         position_strength: float = 2.0,
         by_part: bool = True,
-        row_prices: bool = False,
+        row_prices: bool = True,
     ) -> None:
         if acceptance not in ACCEPTANCE_MODELS:
             raise ConfigError(

@@ -529,7 +529,7 @@ def test_priced_rows_stop_a_perfect_drafter_where_rows_start_to_cost():
     policy.begin(state)
     assert policy.choose(state, 8) == 5  # a new request: no plain round to measure t1
     assert policy.cost_model(state).t1 == pytest.approx(T1)
-    unpriced = AdaptiveDraftLength()  # the default: beta fitted
+    unpriced = AdaptiveDraftLength(row_prices=False)
     unpriced.use_prices(FLAT_TO_6)
     assert unpriced.prices is None
     assert _priced_rounds(unpriced, 3)[1] == 0  # without prices: the plain round for t1
