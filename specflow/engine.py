@@ -133,9 +133,11 @@ class SpeculativePipeline:
         self.drafter = drafter
         self.draft_length = draft_length
         # Whether the target verifier's passes are whole: no stage before it runs the
-        # target's first layers for the drafted positions (an early-exit or layer-skip
-        # drafter, an intermediate verifier), so its seconds are a whole pass over its rows
-        # and the row probe's prices apply to them (``DraftLengthPolicy.use_prices``).
+        # target's first layers for the drafted positions (an early-exit drafter, a pool
+        # with one as an arm, an intermediate verifier), so its seconds are a whole pass
+        # over its rows and the row probe's prices apply to them
+        # (``DraftLengthPolicy.use_prices``).  A layer-skip drafter runs a view of the
+        # target with its own cache, and a feature head only reads it: whole.
         target_lms = {id(use.lm) for use in target_verifier.uses()}
         self._whole_passes = drafter is None or not any(
             id(use.lm) in target_lms and not use.reads_only for use in drafter.uses())
@@ -211,13 +213,12 @@ class SpeculativePipeline:
                     st.session(use.lm).read_exit(use.exit_layer)
         if self.k is None:
             self.target_verifier.begin(states)
-        if self.draft_length is not None:
+        if self.draft_length is not None and states:
             # What a verify pass of n rows costs, where measured (the row probe of the model
             # the sessions run) and the passes are whole: the policy then prices a draft's
             # rows instead of fitting their cost from round times.
             self.draft_length.use_prices(
-                self.target_verifier.row_prices(states) if self._whole_passes and states
-                else None)
+                self.target_verifier.row_prices(states) if self._whole_passes else None)
             for st in states:
                 self.draft_length.begin(st)
         if self.drafter is not None:

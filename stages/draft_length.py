@@ -271,7 +271,8 @@ class AdaptiveDraftLength:
         position_strength: with ``per_position``, the pseudo-positions at the pooled mean
             that each position's estimate starts from.
         by_part: one cost model per part of the drafter (``Drafter.next_part``; module
-            doc); false: one for all parts, whichever drafts.
+            doc); false: one for all parts, whichever drafts (with priced rows, a part's
+            chains and another's trees then share one average width).
         row_prices: price verify rows with the target verifier's measured ``row_prices``
             where it has them (the default; module doc); false: fit beta from the rounds'
             times always.
@@ -365,6 +366,7 @@ class AdaptiveDraftLength:
             beta=prev.beta,
             t_catchup=prev.t_catchup,
             width=prev.width,
+            others=prev.others,
             pos_tried=list(prev.pos_tried),
             pos_accepted=list(prev.pos_accepted),
         )
@@ -373,7 +375,8 @@ class AdaptiveDraftLength:
 
     def cost_model(self, state: DecodeState, part: str = "") -> CostModel:
         """The request's online estimates for ``part`` of the drafter, made on first use.
-        t1 is the target's, so a part's new model takes a measured t1 from its siblings."""
+        t1 and the batch's other rows are the target's, so a part's new model takes them
+        from its siblings (a measured t1; the other rows as last seen)."""
         if not self.by_part:
             part = ""
         models = self._models.get(state)
@@ -384,6 +387,9 @@ class AdaptiveDraftLength:
             if measured:
                 model.t1, model.t1_measured = measured[0].t1, True
                 model.refit_beta()
+            if model.others is None:  # the batch's other rows, as a sibling saw them
+                model.others = next(
+                    (m.others for m in models.values() if m.others is not None), None)
             models[part] = model
         return model
 

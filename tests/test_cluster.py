@@ -104,6 +104,20 @@ def _complete_trials(storage: str) -> list:
     return [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
 
 
+def _complete_trials_while_created(storage: str) -> list:
+    """``_complete_trials`` of a database another process may still be creating: while it
+    writes the schema (the file exists, its tables not yet, or both processes would insert
+    the schema's version row), reading it fails, and counts as no trial yet."""
+    import optuna
+    import sqlalchemy.exc
+
+    try:
+        return _complete_trials(storage)
+    except (KeyError, sqlalchemy.exc.SQLAlchemyError,  # no study yet / schema half-written
+            optuna.exceptions.StorageInternalError):
+        return []
+
+
 def _finished_trials(storage: str) -> list:
     import optuna
 
@@ -126,7 +140,7 @@ def test_optuna_search_persists_and_resumes_after_a_kill(tmp_path):
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and first.poll() is None:
-            if db.exists() and _complete_trials(storage):
+            if db.exists() and _complete_trials_while_created(storage):
                 break
             time.sleep(0.5)
     finally:

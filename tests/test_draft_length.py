@@ -547,9 +547,10 @@ def test_priced_rows_count_a_trees_nodes_and_the_rest_of_the_batch():
     assert _priced_rounds(batch, 20, others=4)[1:] == [1] * 19
     state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
     batch.begin(state)
+    assert batch.choose(state, 8) == 1  # a new request inherits the batch's other rows
+    assert batch.cost_model(state, "then").others == 4.0  # and so does a new part
     batch.observe(state, 3, 3, 0.003, T1 * 2.0, rows=4, batch_rows=8)  # 8 rows: 2 steps
     assert batch.cost_model(state).t1 == pytest.approx(T1)
-    assert batch.cost_model(state).others == 4.0
 
 
 def test_priced_rows_still_skip_a_useless_drafter():
