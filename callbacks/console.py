@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from specflow.metrics import flatten_by_category, flatten_summary, stage_names
-from specflow.records import RequestRecord, RunMeta, RunSummary
+from specflow.records import RequestRecord, RunMeta, RunSummary, describe_parts
 from specflow.results import format_table
 from specflow.workload import Request
 
@@ -38,10 +38,7 @@ def format_report(summary: RunSummary) -> str:
         lines.append("acceptance per level: " + ", ".join(f"{k}={_fmt(flat[k])}" for k in levels))
     overall = summary.overall
     if overall.parts:
-        lines.append("by part: " + "; ".join(
-            f"part/{key}: {c['rounds']} rounds ({c['skipped']} plain), "
-            f"{c['accepted']}/{c['drafted']} accepted"
-            for key, c in sorted(overall.parts.items())))
+        lines.append("by part: " + describe_parts(overall.parts, "part/{}:"))
     if overall.tree_rounds:
         lines.append(f"count/tree_rounds: {overall.tree_rounds} of {overall.rounds} rounds "
                      "verified a tree")

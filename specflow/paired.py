@@ -23,7 +23,7 @@ from itertools import zip_longest
 from typing import Any
 
 from specflow.cpu import probe_cpu
-from specflow.records import RequestRecord, sum_parts
+from specflow.records import RequestRecord, describe_parts, sum_parts
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -144,8 +144,5 @@ def paired_markdown(rep: dict[str, Any], requests: list[tuple[str, str]],
             lines += ["", f"{name}: {m['tree_rounds']} of {m['rounds']} rounds verified a tree"]
     for name, m in rep["methods"].items():
         if m["parts"]:
-            lines += ["", f"{name} by part: " + "; ".join(
-                f"{key} {c['rounds']} rounds ({c['skipped']} plain), "
-                f"{c['accepted']}/{c['drafted']} accepted"
-                for key, c in sorted(m["parts"].items()))]
+            lines += ["", f"{name} by part: " + describe_parts(m["parts"])]
     return "\n".join(lines) + "\n"

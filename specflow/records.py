@@ -51,6 +51,15 @@ def sum_parts(*groups: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return out
 
 
+def describe_parts(parts: dict[str, dict[str, int]], label: str = "{}") -> str:
+    """One line of per-part counts for a report, parts in key order: ``label`` (``{}``:
+    the part's key) then its rounds, plain rounds and accepted / drafted tokens."""
+    return "; ".join(
+        f"{label.format(key)} {c['rounds']} rounds ({c['skipped']} plain), "
+        f"{c['accepted']}/{c['drafted']} accepted"
+        for key, c in sorted(parts.items()))
+
+
 def _fields_from(cls: type, data: Json) -> dict[str, Any]:
     """``{name: data[name]}`` for each field of the dataclass ``cls`` (a flat group)."""
     return {f.name: data[f.name] for f in fields(cls)}

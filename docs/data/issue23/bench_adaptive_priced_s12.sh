@@ -12,10 +12,9 @@ cd "$(dirname "$0")/../../.."
 HEADS=${HEADS:-null}
 source docs/data/issue24/bench_common.sh
 HEAD=${HEAD:-$MAGPIE3}
-IDS="[101,125,149,173,197,221,245,269,293,341,365,389,413,437,461,485,509,533]"
 EAGLE_PLD="+experiment=eagle_pld drafter.then.head=$HEAD"
 PLD_SPS="+experiment=pld_sps drafter.then.model.dtype=float32"
-bench "${OUT:-outputs/issue23/adaptive_priced_s12}" "$IDS" 128 \
+bench "${OUT:-outputs/issue23/adaptive_priced_s12}" "$SPREAD_IDS" 128 \
   --method plain "+experiment=ar" \
   --method pld_sps "$PLD_SPS" \
   --method pld_sps_adaptive "$PLD_SPS draft_length=adaptive" \

@@ -20,6 +20,8 @@ MAGPIE3_E5=${MAGPIE3_E5:-outputs/train_heads/feature_magpie3_e5/feature_head.saf
 TABLE_IDS="[101,125,173,197,245,269,341,365,413,437,485,509]"
 # one more held-out question per category, not in the table (choosing the exits)
 CHOOSE_IDS="[149,221,293,389,461,533]"
+# three held-out questions a category: the table's twelve and CHOOSE_IDS (#23, from §24.3)
+SPREAD_IDS="[101,125,149,173,197,221,245,269,293,341,365,389,413,437,461,485,509,533]"
 # the table's second question of each category: not used to diagnose the adaptive policy (#23)
 ADAPTIVE_IDS="[125,197,269,365,437,509]"
 # what every experiment of a bench gets: the target, its heads, first turns, 2 threads
