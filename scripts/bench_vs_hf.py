@@ -7,10 +7,15 @@ Pairs measured side by side, interleaved per prompt (so machine drift hits all e
   ours plain decoding            vs  HF generate(do_sample=False)
   ours sps (draft model, k)      vs  HF generate(assistant_model=drafter)
   ours pld (prompt lookup, k)    vs  HF generate(prompt_lookup_num_tokens=10)
-plus ours with the adaptive draft length.  Every run decodes greedily until EOS (the same
-EOS ids for everybody) or --max-new-tokens, so all methods produce the same tokens (checked
-and printed).  tokens/s of a method in one repeat = all its new tokens / all its seconds;
-the table shows the median over repeats and ratios of medians.  HF runs on untouched
+plus ours with the adaptive draft length, and the training-free token trees
+(``ours_suffix_recycle``, ``ours_recycle``, ``ours_suffix``: conf/drafter/suffix_recycle.yaml).
+Beside tokens/s end to end it reports time to first token (TTFT: prefill and the first
+round) and time per output token after it (TPOT), each method's TPOT against ours plain,
+and for ours the verify rows per round and a round's verify cost in plain steps.
+Every run decodes greedily until EOS (the same EOS ids for everybody) or
+--max-new-tokens, so all methods produce the same tokens (checked and printed).
+tokens/s of a method in one repeat = all its new tokens / all its seconds; the table
+shows the median over repeats and ratios of medians.  HF runs on untouched
 weights: specflow's own HF module when specflow packed its weights (the CPU fp32 default),
 else a separately loaded copy (``--shared-hf`` reuses specflow's, to save memory).
 """
@@ -38,9 +43,11 @@ from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
 from specflow.models.row_padding import row_probe  # noqa: E402
+from specflow.recycling import RecyclingTable  # noqa: E402
 from specflow.runner import build_prompt  # noqa: E402
 from specflow.scheduler import generate  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
+from specflow.suffix_index import SuffixIndex  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
 from stages.draft_length import AdaptiveDraftLength  # noqa: E402
 from stages.fallback_drafter import FallbackDrafter  # noqa: E402
@@ -48,6 +55,7 @@ from stages.feature_drafter import FeatureDrafter  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
 from stages.model_drafter import ModelDrafter  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
+from stages.token_tree_drafter import TokenTreeDrafter  # noqa: E402
 
 # How the script loads models (besides the dtype), said here rather than left to defaults.
 SETTINGS = dict(backend="auto", trust_remote_code=False, packed_weights=None)
@@ -66,6 +74,23 @@ def hf_copy(name: str, shared: bool, dtype: str = "float32"):
 
     path = prepared_dir(name) if (prepared_dir(name) / "config.json").exists() else name
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+
+
+class FirstTokenClock:
+    """A streamer for HF ``generate`` that notes when the first generated token arrives
+    (its first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first_at is None:
+            self.first_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 def main() -> None:
@@ -171,6 +196,25 @@ def main() -> None:
             draft_length=AdaptiveDraftLength(),
         ),
     }
+    def token_tree(suffix: bool, recycling: bool, branches: int = 4) -> TokenTreeDrafter:
+        # conf/drafter/suffix_recycle.yaml (recycle.yaml, suffix.yaml: one source)
+        return TokenTreeDrafter(
+            target.lm, k=8, branches=branches,
+            suffix=SuffixIndex(max_ngram=6, min_ngram=1, max_matches=16) if suffix else None,
+            recycling=RecyclingTable(width=8) if recycling else None,
+        )
+
+    ours["ours_suffix_recycle"] = SpeculativePipeline(
+        verifier, StandardAcceptor(), drafter=token_tree(True, True))
+    ours["ours_recycle"] = SpeculativePipeline(
+        verifier, StandardAcceptor(), drafter=token_tree(False, True))
+    ours["ours_suffix"] = SpeculativePipeline(
+        verifier, StandardAcceptor(), drafter=token_tree(True, False))
+    ours["ours_suffix_recycle_chain"] = SpeculativePipeline(
+        verifier, StandardAcceptor(), drafter=token_tree(True, True, branches=1))
+    ours["ours_suffix_recycle_adaptive"] = SpeculativePipeline(
+        verifier, StandardAcceptor(), drafter=token_tree(True, True),
+        draft_length=AdaptiveDraftLength())
     if drafter:
         ours["ours_sps"] = SpeculativePipeline(
             verifier, StandardAcceptor(), drafter=ModelDrafter(drafter.lm, k=args.k)
@@ -240,8 +284,8 @@ def main() -> None:
               f"{ {r: round(t * 1e3, 2) for r, t in probe.seconds.items()} } -> {padded_rows}")
 
     def run_ours(pipe: SpeculativePipeline, min_rows: int = 1
-                 ) -> Callable[[list[int]], tuple[list[int], float]]:
-        def go(prompt: list[int]) -> tuple[list[int], float]:
+                 ) -> Callable[[list[int]], tuple[list[int], float, float]]:
+        def go(prompt: list[int]) -> tuple[list[int], float, float]:
             for lm in padded_models:
                 lm.min_rows = min_rows
             try:
@@ -250,13 +294,14 @@ def main() -> None:
                 for lm in padded_models:
                     lm.min_rows = 1
             last_stats[0] = gen
-            return gen.tokens, gen.total_s
+            return gen.tokens, gen.total_s, gen.ttft_s if gen.ttft_s is not None else gen.total_s
 
         return go
 
-    def run_hf(**kw) -> Callable[[list[int]], tuple[list[int], float]]:
-        def go(prompt: list[int]) -> tuple[list[int], float]:
+    def run_hf(**kw) -> Callable[[list[int]], tuple[list[int], float, float]]:
+        def go(prompt: list[int]) -> tuple[list[int], float, float]:
             ids = torch.tensor([prompt])
+            streamer = FirstTokenClock()
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = hf_target.generate(
@@ -266,9 +311,12 @@ def main() -> None:
                     do_sample=False,
                     eos_token_id=list(eos),
                     pad_token_id=eos[0],
+                    streamer=streamer,
                     **kw,
                 )
-            return out[0, len(prompt) :].tolist(), time.perf_counter() - t0
+            secs = time.perf_counter() - t0
+            first = streamer.first_at - t0 if streamer.first_at is not None else secs
+            return out[0, len(prompt) :].tolist(), secs, first
 
         return go
 
@@ -291,6 +339,9 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
     # per (method, prompt): [tokens, seconds] summed over repeats (the per-category tables)
     per_prompt: dict[str, list[list[float]]] = {m: [[0, 0.0] for _ in prompts] for m in methods}
+    # per method: TTFTs, and decode seconds and tokens after the first token (TPOT)
+    ttfts: dict[str, list[float]] = {m: [] for m in methods}
+    decode: dict[str, list[float]] = {m: [0.0, 0] for m in methods}
     # per (method, prompt): [rounds, accepted] of ours (tau = 1 + accepted / rounds)
     ours_run = [m for m in methods if m.startswith("ours_")]  # padded variants included
     per_prompt_rounds: dict[str, list[list[int]]] = {
@@ -308,7 +359,10 @@ def main() -> None:
             order = list(methods) if (rep + i) % 2 == 0 else list(reversed(methods))
             for name in order:
                 last_stats[0] = None
-                out, secs = methods[name](prompt)
+                out, secs, first = methods[name](prompt)
+                ttfts[name].append(first)
+                decode[name][0] += max(0.0, secs - first)
+                decode[name][1] += max(0, len(out) - 1)
                 gen = last_stats[0]
                 stats = None if gen is None else gen.stats
                 if gen is not None:
@@ -397,14 +451,33 @@ def main() -> None:
                 print(f"{m:<20}" + "".join(f"{tau(m, c):>15.2f}" for c in categories)
                       + f"{tau(m):>8.2f}")
     print("\ntime per stage, pooled over prompts (ours): ms per drafted token, ms per "
-          "verification round, acceptance")
-    print(f"{'method':<24}{'draft ms/tok':>13}{'verify ms/round':>17}{'accept':>8}{'tau':>6}")
+          "verification round, verify rows per round (drafted + 1), a round's verify cost in "
+          "plain steps (its ms over ours_ar's), acceptance")
+    print(f"{'method':<30}{'draft ms/tok':>13}{'verify ms/round':>17}{'rows/round':>12}"
+          f"{'steps/round':>13}{'accept':>8}{'tau':>6}")
+    plain = stage_totals.get("ours_ar", {})
+    step_ms = 1000 * plain["verify_s"] / plain["rounds"] if plain.get("rounds") else None
     for m, tot in stage_totals.items():
         if m in methods and tot["rounds"]:
             per_tok = 1000 * tot["draft_s"] / tot["drafted"] if tot["drafted"] else float("nan")
             acc = tot["accepted"] / tot["drafted"] if tot["drafted"] else float("nan")
-            print(f"{m:<24}{per_tok:>13.1f}{1000 * tot['verify_s'] / tot['rounds']:>17.1f}"
+            verify_ms = 1000 * tot["verify_s"] / tot["rounds"]
+            rows = (tot["drafted"] + tot["rounds"]) / tot["rounds"]
+            steps = verify_ms / step_ms if step_ms else float("nan")
+            print(f"{m:<30}{per_tok:>13.1f}{verify_ms:>17.1f}{rows:>12.2f}{steps:>13.2f}"
                   f"{acc:>8.2f}{1 + tot['accepted'] / tot['rounds']:>6.2f}")
+
+    def tpot(m: str) -> float:
+        secs, toks = decode[m]
+        return secs / toks if toks else float("nan")
+
+    print("\nlatency: TTFT (time to first token: prefill and first round; median over prompts "
+          "and repeats), TPOT (time per output token after the first: all decode seconds over "
+          "all decode tokens) and the TPOT speed-up against ours_ar")
+    print(f"{'method':<30}{'TTFT ms':>10}{'TPOT ms':>10}{'TPOT x':>9}{'tok/s x':>9}")
+    for m in methods:
+        print(f"{m:<30}{1000 * statistics.median(ttfts[m]):>10.1f}{1000 * tpot(m):>10.1f}"
+              f"{tpot('ours_ar') / tpot(m):>9.2f}{med[m] / med['ours_ar']:>9.2f}")
     pairs = [
         ("ours_ar", "hf_ar"),
         ("ours_sps", "hf_sps"),
@@ -446,6 +519,8 @@ def main() -> None:
                     "per_prompt": per_prompt,
                     "per_prompt_rounds": per_prompt_rounds,
                     "stage_totals": stage_totals,
+                    "ttft_s": ttfts,
+                    "decode_s_tokens": decode,
                     "prompt_ids": [r.request_id for r in requests],
                     "same_tokens": {
                         m: [a == b for a, b in zip(outputs[m], ref, strict=True)] for m in methods

@@ -35,11 +35,12 @@ def machine_description() -> dict[str, Any]:
 
 @dataclass
 class CachedBaseline:
-    """Plain decoding of one prompt as cached (a ``<key>.json`` file): its tokens and
-    seconds."""
+    """Plain decoding of one prompt as cached (a ``<key>.json`` file): its tokens, seconds
+    and time to first token (``None`` in files written before it was kept)."""
 
     tokens: list[int]
     total_s: float
+    ttft_s: float | None = None
 
 
 class BaselineCache:
@@ -80,7 +81,8 @@ class BaselineCache:
         if not path.exists():
             return None
         data = json.loads(path.read_text())
-        return CachedBaseline(tokens=data["tokens"], total_s=data["total_s"])
+        return CachedBaseline(tokens=data["tokens"], total_s=data["total_s"],
+                              ttft_s=data.get("ttft_s"))
 
     def put(self, key: str, value: CachedBaseline) -> None:
         if self.directory is None:

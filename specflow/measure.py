@@ -7,7 +7,7 @@ record fields of ``specflow.records``.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from specflow.records import BaselineMetrics, PoolMetrics, RequestMetrics, sum_parts
@@ -25,6 +25,35 @@ def task_scores(request: Request, text: str) -> dict[str, float]:
     except ImportError:  # pragma: no cover - tasks are optional extras
         return {}
     return score_request(request.category, text, request.reference, request.extra.get("problem"))
+
+
+@dataclass(frozen=True)
+class DecodeTimes:
+    """A request's time to first token (mean over its turns) and the seconds and tokens
+    after each turn's first token, summed; ``None`` seconds where any turn lacks a TTFT."""
+
+    ttft_s: float | None
+    decode_s: float | None
+    decode_tokens: int
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (``None``: nothing to divide)."""
+        if self.decode_s is None or self.decode_tokens <= 0:
+            return None
+        return self.decode_s / self.decode_tokens
+
+
+def decode_times(gens: list[Generation]) -> DecodeTimes:
+    """``DecodeTimes`` of a request's turns (turns of no token count for neither)."""
+    made = [g for g in gens if g.tokens]
+    if not made or any(g.ttft_s is None for g in made):
+        return DecodeTimes(None, None, sum(max(0, len(g.tokens) - 1) for g in made))
+    return DecodeTimes(
+        ttft_s=sum(g.ttft_s or 0.0 for g in made) / len(made),
+        decode_s=sum(g.decode_s or 0.0 for g in made),
+        decode_tokens=sum(len(g.tokens) - 1 for g in made),
+    )
 
 
 def generation_metrics(
@@ -60,6 +89,7 @@ def generation_metrics(
             acc[1] += nested.accepted
     asked = [k for g in gens for k in g.stats.asked_per_round]
     parts = sum_parts(*({k: asdict(v) for k, v in g.stats.parts.items()} for g in gens))
+    decode = decode_times(gens)
     return RequestMetrics(
         new_tokens=new_tokens,
         total_s=total_s,
@@ -82,6 +112,10 @@ def generation_metrics(
         latency_s=total_s,
         queued_s=queued_s,
         baseline=baseline,
+        ttft_s=decode.ttft_s,
+        decode_s=decode.decode_s,
+        decode_tokens=decode.decode_tokens,
+        tpot_s=decode.tpot_s,
     )
 
 
@@ -105,13 +139,16 @@ def baseline_metrics(
     gens: list[Generation], base: list[Generation], cached: bool, greedy: bool
 ) -> BaselineMetrics:
     """Plain decoding's turns ``base`` next to the method's ``gens``: tokens, seconds, the
-    speedup of the method's tokens/s, and (``greedy`` only) whether every turn matches."""
+    speedup of the method's tokens/s, and (``greedy`` only) whether every turn matches;
+    plain decoding's TTFT and decode time, and the speedup of the time per output token."""
     tokens = sum(len(g.tokens) for g in gens)
     seconds = sum(g.total_s for g in gens)
     tokens_per_s = tokens / seconds if seconds else 0.0
     b_tokens = sum(len(g.tokens) for g in base)
     b_s = sum(g.total_s for g in base)
     matches = all(g.tokens == b.tokens for g, b in zip(gens, base, strict=True))
+    mine, plain = decode_times(gens), decode_times(base)
+    tpot, plain_tpot = mine.tpot_s, plain.tpot_s
     return BaselineMetrics(
         baseline_tokens=b_tokens,
         baseline_s=b_s,
@@ -119,6 +156,10 @@ def baseline_metrics(
         baseline_cached=cached,
         speedup=tokens_per_s / (b_tokens / b_s) if b_s else None,
         matches_baseline=matches if greedy else None,
+        baseline_ttft_s=plain.ttft_s,
+        baseline_decode_s=plain.decode_s,
+        baseline_decode_tokens=plain.decode_tokens,
+        tpot_speedup=plain_tpot / tpot if tpot and plain_tpot is not None else None,
     )
 
 

@@ -11,6 +11,9 @@ name                      from
 throughput/tokens_per_s   ``tokens_per_s`` (method)
 throughput/baseline_...   ``baseline_tokens_per_s`` (plain decoding)
 throughput/speedup        ``speedup`` (also ``throughput/speedup_median``)
+latency/ttft_s            ``ttft_s``: time to first token (also ``latency/baseline_ttft_s``)
+latency/tpot_s            ``tpot_s``: time per output token after the first (also
+                          ``latency/baseline_tpot_s``); ``throughput/tpot_speedup``
 accept/tau                ``tau`` = 1 + accepted / rounds
 accept/rate               ``acceptance_rate``; ``accept/rate/<level>`` per level
 accept/drafted, accepted  token counts
@@ -49,6 +52,11 @@ SCALARS: dict[str, str] = {
     "baseline_tokens_per_s": "throughput/baseline_tokens_per_s",
     "speedup": "throughput/speedup",
     "speedup_median": "throughput/speedup_median",
+    "ttft_s": "latency/ttft_s",
+    "baseline_ttft_s": "latency/baseline_ttft_s",
+    "tpot_s": "latency/tpot_s",
+    "baseline_tpot_s": "latency/baseline_tpot_s",
+    "tpot_speedup": "throughput/tpot_speedup",
     "tau": "accept/tau",
     "acceptance_rate": "accept/rate",
     "drafted": "accept/drafted",
@@ -73,6 +81,9 @@ KEY_METRICS: tuple[str, ...] = (
     "throughput/tokens_per_s",
     "throughput/baseline_tokens_per_s",
     "throughput/speedup",
+    "throughput/tpot_speedup",
+    "latency/ttft_s",
+    "latency/tpot_s",
     "accept/tau",
     "accept/rate",
     "quality/fidelity",

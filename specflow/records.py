@@ -94,6 +94,7 @@ class TurnRecord:
     new_tokens: int
     total_s: float
     stop_reason: str
+    ttft_s: float | None = None  # time to first token (``Generation.ttft_s``)
 
     def to_json(self) -> Json:
         out = asdict(self)
@@ -110,6 +111,7 @@ class TurnRecord:
             new_tokens=data["new_tokens"],
             total_s=data["total_s"],
             stop_reason=data["stop_reason"],
+            ttft_s=data.get("ttft_s"),
         )
 
 
@@ -133,7 +135,10 @@ class PoolMetrics:
 class BaselineMetrics:
     """Plain decoding of the same request: its tokens and seconds, whether they came from
     the baseline cache, the speedup (``None`` when plain decoding took no time) and whether
-    the outputs match (``None`` when sampling: they need not)."""
+    the outputs match (``None`` when sampling: they need not); its time to first token
+    (mean over turns), decode seconds and tokens after the first (``RequestMetrics``) and
+    the speedup of the time per output token, plain's TPOT over the method's (``None``
+    where either was not measured)."""
 
     baseline_tokens: int
     baseline_s: float
@@ -141,10 +146,26 @@ class BaselineMetrics:
     baseline_cached: bool
     speedup: float | None
     matches_baseline: bool | None
+    baseline_ttft_s: float | None = None
+    baseline_decode_s: float | None = None
+    baseline_decode_tokens: int = 0
+    tpot_speedup: float | None = None
 
     @classmethod
     def from_json(cls, data: Json) -> BaselineMetrics:
-        return cls(**_fields_from(cls, data))
+        """Also reads records older than the TTFT keys (``None``, 0)."""
+        return cls(
+            baseline_tokens=data["baseline_tokens"],
+            baseline_s=data["baseline_s"],
+            baseline_tokens_per_s=data["baseline_tokens_per_s"],
+            baseline_cached=data["baseline_cached"],
+            speedup=data["speedup"],
+            matches_baseline=data["matches_baseline"],
+            baseline_ttft_s=data.get("baseline_ttft_s"),
+            baseline_decode_s=data.get("baseline_decode_s"),
+            baseline_decode_tokens=data.get("baseline_decode_tokens", 0),
+            tpot_speedup=data.get("tpot_speedup"),
+        )
 
 
 @dataclass
@@ -160,7 +181,11 @@ class RequestMetrics:
     ``{"rounds", "skipped", "drafted", "accepted"}`` (``specflow.state.PartStats``;
     ``skipped``: plain rounds, asked for 0 tokens); ``{}`` for other drafters;
     ``latency_s``: admission to finish (``total_s`` plus nothing at batch size 1);
-    ``queued_s``: seconds the turns waited for a batch slot.
+    ``queued_s``: seconds the turns waited for a batch slot;
+    ``ttft_s``: time to first token, the mean over turns (prefill and the first round);
+    ``decode_s`` / ``decode_tokens``: the seconds and tokens after each turn's first token,
+    summed, and ``tpot_s`` their ratio, the time per output token (``None`` where not
+    measured or no token followed the first).
     """
 
     new_tokens: int
@@ -184,6 +209,10 @@ class RequestMetrics:
     latency_s: float
     queued_s: float
     baseline: BaselineMetrics | None  # inline; when plain decoding ran next to the method
+    ttft_s: float | None = None
+    decode_s: float | None = None
+    decode_tokens: int = 0
+    tpot_s: float | None = None
 
     def to_json(self) -> Json:
         return _inline(asdict(self), ("pool", "baseline"))
@@ -192,7 +221,7 @@ class RequestMetrics:
     def from_json(cls, data: Json) -> RequestMetrics:
         """Also reads records older than some keys: ``k_per_round`` ``[]``,
         ``rounds_skipped`` and ``tree_rounds`` 0 when missing, ``parts`` ``{}``,
-        ``latency_s`` = ``total_s``, ``queued_s`` 0.0."""
+        ``latency_s`` = ``total_s``, ``queued_s`` 0.0, the TTFT keys ``None`` / 0."""
         return cls(
             new_tokens=data["new_tokens"],
             total_s=data["total_s"],
@@ -215,6 +244,10 @@ class RequestMetrics:
             latency_s=data.get("latency_s", data["total_s"]),
             queued_s=data.get("queued_s", 0.0),
             baseline=BaselineMetrics.from_json(data) if "baseline_s" in data else None,
+            ttft_s=data.get("ttft_s"),
+            decode_s=data.get("decode_s"),
+            decode_tokens=data.get("decode_tokens", 0),
+            tpot_s=data.get("tpot_s"),
         )
 
 
@@ -295,7 +328,11 @@ class Aggregate:
     ``baseline_task`` (keyed ``task/<name>``) are written inline as ``task/<name>`` and
     ``baseline_task/<name>``; ``task_ci95``, ``baseline_task_ci95`` (95 % Wilson intervals
     of pass/fail scores) and ``task_paired`` are written only when not empty.  An aggregate
-    of no requests is written as ``{"num_requests": 0}``.
+    of no requests is written as ``{"num_requests": 0}``.  ``ttft_s``: the mean time to
+    first token of the requests; ``tpot_s``: the pooled time per output token after the
+    first (all decode seconds over all decode tokens); the ``baseline_`` ones plain
+    decoding's, and ``tpot_speedup`` plain's TPOT over the method's (``None`` unless
+    every record has them).
     """
 
     num_requests: int
@@ -322,6 +359,11 @@ class Aggregate:
     task_ci95: dict[str, list[float]] = field(default_factory=dict)
     baseline_task_ci95: dict[str, list[float]] = field(default_factory=dict)
     task_paired: dict[str, PairedCounts] = field(default_factory=dict)
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    baseline_ttft_s: float | None = None
+    baseline_tpot_s: float | None = None
+    tpot_speedup: float | None = None
 
     @classmethod
     def empty(cls) -> Aggregate:
@@ -407,6 +449,11 @@ class Aggregate:
             task_paired={
                 k: PairedCounts.from_json(v) for k, v in data.get("task_paired", {}).items()
             },
+            ttft_s=data.get("ttft_s"),
+            tpot_s=data.get("tpot_s"),
+            baseline_ttft_s=data.get("baseline_ttft_s"),
+            baseline_tpot_s=data.get("baseline_tpot_s"),
+            tpot_speedup=data.get("tpot_speedup"),
         )
 
 

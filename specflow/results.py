@@ -17,6 +17,10 @@ else is an error naming the file and the line: nothing is skipped silently.
 Aggregation (``summarize``): throughput is total new tokens / total seconds (so long
 requests weigh more, as in Spec-Bench); ``speedup`` is the method's tokens/s over plain
 decoding's tokens/s on the same requests; ``tau = 1 + accepted / rounds`` over all rounds.
+Time to first token (``ttft_s``, the prefill and the first round) is a mean over requests;
+the time per output token after it (``tpot_s``) is all decode seconds over all decode
+tokens, and ``tpot_speedup`` plain decoding's TPOT over the method's: speculation changes
+the second only, so short answers, whose time is mostly prefill, show it apart.
 Task scores are means over requests; for pass/fail scores the summary adds
 ``task_ci95`` / ``baseline_task_ci95`` (95 % Wilson intervals) and ``task_paired`` (both /
 method-only / plain-only / neither counts and the exact McNemar p-value), and
@@ -356,6 +360,12 @@ def aggregate(records: list[RequestRecord]) -> Aggregate:
         speedup_median=None,
         fidelity=None,
     )
+    ttfts = [x.ttft_s for x in m]
+    if all(t is not None for t in ttfts):
+        out.ttft_s = statistics.fmean(t or 0.0 for t in ttfts)
+    decode_tokens = sum(x.decode_tokens for x in m)
+    if all(x.decode_s is not None for x in m) and decode_tokens:
+        out.tpot_s = sum(x.decode_s or 0.0 for x in m) / decode_tokens
     base = [x.baseline for x in m if x.baseline is not None]
     if len(base) == len(m):
         b_tokens = sum(b.baseline_tokens for b in base)
@@ -365,6 +375,15 @@ def aggregate(records: list[RequestRecord]) -> Aggregate:
         out.speedup_median = statistics.median(b.speedup for b in base)
         same = [b.matches_baseline for b in base if b.matches_baseline is not None]
         out.fidelity = sum(same) / len(same) if same else None
+        b_ttft = [b.baseline_ttft_s for b in base]
+        if all(t is not None for t in b_ttft):
+            out.baseline_ttft_s = statistics.fmean(t or 0.0 for t in b_ttft)
+        b_decode = [b.baseline_decode_s for b in base]
+        b_decode_tokens = sum(b.baseline_decode_tokens for b in base)
+        if all(d is not None for d in b_decode) and b_decode_tokens:
+            out.baseline_tpot_s = sum(d or 0.0 for d in b_decode) / b_decode_tokens
+        if out.baseline_tpot_s is not None and out.tpot_s:
+            out.tpot_speedup = out.baseline_tpot_s / out.tpot_s
     _add_task_scores(out, records)
     return out
 
@@ -456,6 +475,9 @@ def format_table(summary: RunSummary) -> str:
         "tokens/s",
         "baseline_tokens/s",
         "speedup",
+        "ttft_ms",
+        "tpot_ms",
+        "tpot_speedup",
         "tau",
         "acceptance_rate",
         "fidelity",
@@ -469,6 +491,9 @@ def format_table(summary: RunSummary) -> str:
             agg.tokens_per_s,
             agg.baseline_tokens_per_s,
             agg.speedup,
+            None if agg.ttft_s is None else agg.ttft_s * 1e3,
+            None if agg.tpot_s is None else agg.tpot_s * 1e3,
+            agg.tpot_speedup,
             agg.tau,
             agg.acceptance_rate,
             agg.fidelity,

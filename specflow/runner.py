@@ -147,7 +147,8 @@ class Runner:
         callbacks: list[Any] | None = None,
     ) -> None:
         self.pipeline = pipeline
-        self.baseline = SpeculativePipeline(pipeline.target_verifier, StandardAcceptor(), name="ar")
+        self.baseline = SpeculativePipeline(pipeline.target_verifier, StandardAcceptor(),
+                                            name="ar", clock=pipeline.clock)
         self.tokenizer = tokenizer
         self.settings = settings
         self.sampling = sampling
@@ -214,7 +215,8 @@ class Runner:
             hit = self._cached_baseline(prompt) if cache else None
             if hit is None:
                 return SeqRequest(prompt, s.max_new_tokens, s.seed, tag=conv)
-            gen = Generation(hit.tokens, RoundStats(), StageTimes(), hit.total_s, "cached")
+            gen = Generation(hit.tokens, RoundStats(), StageTimes(), hit.total_s, "cached",
+                             ttft_s=hit.ttft_s)
             self._finish_turn(conv, TurnResult(prompt, gen, cached=True))
         return None
 
@@ -259,7 +261,8 @@ class Runner:
             if cache and self.baseline_cache.directory is not None:
                 self.baseline_cache.put(
                     self._baseline_key(turn.prompt),
-                    CachedBaseline(turn.generation.tokens, turn.generation.total_s),
+                    CachedBaseline(turn.generation.tokens, turn.generation.total_s,
+                                   turn.generation.ttft_s),
                 )
             follow = self._next_turn(conv, cache)
             if follow is None:
@@ -328,6 +331,7 @@ class Runner:
                     new_tokens=len(t.generation.tokens),
                     total_s=t.generation.total_s,
                     stop_reason=t.generation.stop_reason,
+                    ttft_s=t.generation.ttft_s,
                 )
                 for t, text in zip(turns, texts, strict=True)
             ],

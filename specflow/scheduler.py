@@ -44,6 +44,10 @@ class Generation:
         stop_reason: "eos" or "length".
         nested_stats: round counters of nested pipelines, by level.
         nested_times: seconds per stage of nested pipelines, by level.
+        ttft_s: time to first token: seconds from admission to the end of the round that
+            committed the first generated token (the prefill and that round; vLLM's TTFT).
+            The rest, ``total_s - ttft_s``, is the decode time over the other
+            ``len(tokens) - 1`` tokens (``decode_s``).
     """
 
     tokens: list[int]
@@ -53,6 +57,13 @@ class Generation:
     stop_reason: str
     nested_stats: dict[str, RoundStats] = field(default_factory=dict)
     nested_times: dict[str, StageTimes] = field(default_factory=dict)
+    ttft_s: float | None = None
+
+    @property
+    def decode_s(self) -> float | None:
+        """Seconds after the first token, what speculation changes (``None``: TTFT not
+        measured, e.g. a cached baseline from before it was)."""
+        return None if self.ttft_s is None else max(0.0, self.total_s - self.ttft_s)
 
 
 @dataclass
@@ -110,6 +121,7 @@ class _Active:
     joined: float
     queued_s: float
     stop_reason: str | None = None
+    first_token_at: float | None = None  # when the round committing its first token ended
 
 
 RoundHook = Callable[[SeqRequest, dict[str, int]], None]
@@ -206,7 +218,11 @@ class Scheduler:
                 rounds = self.pipeline.run_round(states, budgets)
                 stats.rounds += 1
                 still: list[_Active] = []
+                # when this round ended, for the requests whose first token it committed
+                ended = self.clock() if any(a.first_token_at is None for a in active) else 0.0
                 for a, (new, _) in zip(active, rounds, strict=True):
+                    if a.first_token_at is None and new:
+                        a.first_token_at = ended
                     if on_round is not None:
                         on_round(a.request, _round_event(a.state, len(new)))
                     if not self._finished(a, new):
@@ -307,6 +323,7 @@ def _generation(a: _Active, now: float) -> Generation:
         stop_reason=a.stop_reason or "length",
         nested_stats=st.nested_stats,
         nested_times=st.nested_times,
+        ttft_s=(a.first_token_at if a.first_token_at is not None else now) - a.joined,
     )
 
 

@@ -33,7 +33,7 @@ STORED_RUNS = sorted(p.parent for p in ROOT.glob("docs/data/**/summary.json"))
 RECORD_KEYS = ["request_id", "category", "subcategory", "output_text", "turns", "metrics",
                "task", "baseline_task"]
 TURN_KEYS = ["prompt_tokens", "output_text", "output_tokens", "new_tokens", "total_s",
-             "stop_reason"]
+             "stop_reason", "ttft_s"]
 METRIC_KEYS = ["new_tokens", "total_s", "tokens_per_s", "rounds", "target_calls", "drafted",
                "accepted", "tau", "acceptance_rate", "levels", "time_per_stage", "k_per_round",
                "rounds_skipped", "tree_rounds", "parts", "drafted_per_round",
@@ -41,13 +41,20 @@ METRIC_KEYS = ["new_tokens", "total_s", "tokens_per_s", "rounds", "target_calls"
 POOL_KEYS = ["arms", "arm_rewards", "arm_counts", "catchup_tokens", "catchup_s"]
 LATENCY_KEYS = ["latency_s", "queued_s"]
 BASELINE_KEYS = ["baseline_tokens", "baseline_s", "baseline_tokens_per_s", "baseline_cached",
-                 "speedup", "matches_baseline"]
+                 "speedup", "matches_baseline", "baseline_ttft_s", "baseline_decode_s",
+                 "baseline_decode_tokens", "tpot_speedup"]
+DECODE_KEYS = ["ttft_s", "decode_s", "decode_tokens", "tpot_s"]
+# What records written before the TTFT keys read back with (a baseline's and the request's).
+DECODE_DEFAULTS = {"baseline_ttft_s": None, "baseline_decode_s": None,
+                   "baseline_decode_tokens": 0, "tpot_speedup": None, "ttft_s": None,
+                   "decode_s": None, "decode_tokens": 0, "tpot_s": None}
 META_KEYS = ["method", "target_model", "models", "config", "machine", "started", "output_dir"]
 AGGREGATE_KEYS = ["num_requests", "new_tokens", "total_s", "tokens_per_s", "rounds",
                   "target_calls", "drafted", "accepted", "tree_rounds", "parts", "tau",
                   "acceptance_rate",
                   "acceptance_by_level", "accepted_by_level", "time_per_stage",
-                  "baseline_tokens_per_s", "speedup", "speedup_median", "fidelity"]
+                  "baseline_tokens_per_s", "speedup", "speedup_median", "fidelity",
+                  "ttft_s", "tpot_s", "baseline_ttft_s", "baseline_tpot_s", "tpot_speedup"]
 TASK_KEYS = ["task/bleu", "task_ci95", "baseline_task/bleu", "baseline_task_ci95", "task_paired",
              "task/gsm8k_exact", "baseline_task/gsm8k_exact"]
 LATENCY_SUMMARY_KEYS = ["latency_s_mean", "latency_s_p50", "latency_s_p90"]
@@ -84,7 +91,7 @@ def test_a_written_record_has_todays_keys(written):
     for data in _lines(written / "requests.jsonl"):
         assert list(data) == RECORD_KEYS
         assert [list(t) for t in data["turns"]] == [TURN_KEYS]
-        assert list(data["metrics"]) == METRIC_KEYS + LATENCY_KEYS + BASELINE_KEYS
+        assert list(data["metrics"]) == METRIC_KEYS + LATENCY_KEYS + BASELINE_KEYS + DECODE_KEYS
         assert len(data["task"]) == 1 and list(data["task"]) == list(data["baseline_task"])
 
 
@@ -103,7 +110,7 @@ def test_records_without_baseline_and_an_empty_run(tiny_target, tmp_path):
                   baseline=False)
     (data,) = _lines(folder / "requests.jsonl")
     assert list(data) == RECORD_KEYS[:-1]  # no baseline_task
-    assert list(data["metrics"]) == METRIC_KEYS + LATENCY_KEYS
+    assert list(data["metrics"]) == METRIC_KEYS + LATENCY_KEYS + DECODE_KEYS
     summary = json.loads((folder / "summary.json").read_text())
     assert list(summary["batch"]) == [k for k in BATCH_KEYS if not k.startswith(
         ("baseline_", "throughput_speedup"))]
@@ -121,7 +128,7 @@ def test_a_drafter_pools_metrics_are_written_inline():
                        rewards=[0.5, 0.0, 1.0], catchup_tokens=4, catchup_s=0.25)
     gen = Generation([7, 8, 9], stats, StageTimes(draft_s=0.1), 1.0, "length")
     metrics = generation_metrics([gen], queued_s=0.5).to_json()
-    assert list(metrics) == METRIC_KEYS + POOL_KEYS + LATENCY_KEYS
+    assert list(metrics) == METRIC_KEYS + POOL_KEYS + LATENCY_KEYS + DECODE_KEYS
     assert metrics["arm_counts"] == [1, 2] and metrics["k_per_round"] == [3, 0]
     assert metrics["rounds_skipped"] == 1 and metrics["latency_s"] == 1.0
     assert metrics["queued_s"] == 0.5 and metrics["catchup_tokens"] == 4
@@ -157,13 +164,17 @@ def test_stored_run_folders_round_trip(run: Path):
     for line in (run / "requests.jsonl").read_text().splitlines():
         data = json.loads(line)
         out = RequestRecord.from_json(data).to_json()
-        for key, empty in (("tree_rounds", 0), ("parts", {})):
+        for key, empty in (("tree_rounds", 0), ("parts", {}), *DECODE_DEFAULTS.items()):
             if key not in data["metrics"]:
-                assert out["metrics"].pop(key) == empty
+                assert out["metrics"].pop(key, empty) == empty
+        for turn, written in zip(out["turns"], data["turns"], strict=True):
+            if "ttft_s" not in written:
+                assert turn.pop("ttft_s") is None
         assert json.dumps(out) == line
     data = json.loads((run / "summary.json").read_text())
     out = RunSummary.from_json(data).to_json()
-    for key, empty in (("tree_rounds", 0), ("parts", {})):
+    for key, empty in (("tree_rounds", 0), ("parts", {}),
+                       *dict.fromkeys(AGGREGATE_KEYS[-5:]).items()):
         if key not in data:
             for agg in (out, *out["by_category"].values()):
                 assert agg.pop(key, empty) == empty

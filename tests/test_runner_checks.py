@@ -75,6 +75,7 @@ def test_table_header_cells_are_separated():
     head = format_table(summary).splitlines()[0]
     assert head == (
         "category           n           tokens/s  baseline_tokens/s            speedup"
+        "            ttft_ms            tpot_ms       tpot_speedup"
         "                tau    acceptance_rate           fidelity"
     )
 

@@ -1,0 +1,243 @@
+"""Drafter ``token_tree``: training-free token trees from suffix matches and recycled logits.
+
+No model drafts.  Two sources propose each node's children, both free to query:
+
+- **suffix matching** (``specflow.suffix_index.SuffixIndex``): the continuations of the
+  context's longest suffix seen before, in the request's prompt and output and in the run's
+  earlier requests, ranked by how often the corpus continued that way (prompt lookup is the
+  case of one occurrence and one chain);
+- **token recycling** (``specflow.recycling.RecyclingTable``): each token's top-w
+  successors as the target's own verification logits showed them at earlier positions
+  (rejected draft positions too), kept across the run's requests.
+
+A round, per request: the children of a node are the union of both sources' proposals
+(a token both propose once, with the larger estimate); each proposal's estimate ``p`` that
+the target keeps it given its parent was kept is calibrated online per evidence bin
+(``specflow.tree_plan.AcceptanceCalibration``: the suffix's match length, count ratio and
+support; the recycled probability).  The tree grows best first by path probability
+(``grow_tree``) to depth ``asked`` and at most ``max_nodes`` nodes, then the whole batch's
+trees are cut to the size that maximizes expected committed tokens per step-equivalent of
+the verify pass (``plan_sizes``), priced by the target's row probe on this machine
+(``specflow.models.row_padding.RowPrices``); where no probe ran (another device, an
+unpacked model) a row costs ``row_cost`` of a step.  So the tree is as large as pays here
+and no larger: on a CPU whose verify pass of 9 rows costs 1.3 steps, a node must be kept
+with a probability of about 0.1 per extra row to be worth drafting.
+
+Greedy requests draft trees (``Draft.parents``; one best chain is sent as a chain);
+sampled requests draft chains (``branches`` 1 for them: each node's best child only),
+deterministic (q one-hot), so rejection sampling stays lossless.  ``branches = 1`` drafts
+chains for every request (then any acceptor, FLy included, can verify them).
+
+After verification (``observe``) every verified position's target logits update the
+recycling table, and every node whose parent was kept counts for its bins' calibration.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specflow.errors import ConfigError
+from specflow.kv.base import LayeredLM, ModelInfo
+from specflow.models.native import NativeLM
+from specflow.models.resolve import as_layered_lm
+from specflow.models.row_padding import RowPrices, row_prices, row_probe
+from specflow.protocols import DraftPart, ModelUse
+from specflow.recycling import RecyclingTable
+from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
+from specflow.suffix_index import SuffixIndex, TrieNode
+from specflow.tree_plan import (
+    AcceptanceCalibration,
+    Candidate,
+    PlannedTree,
+    grow_tree,
+    plan_sizes,
+)
+
+log = logging.getLogger(__name__)
+
+# Prior means of the calibration bins (pseudo-observations: ``calibration_strength``).
+SUFFIX_PRIOR_BY_LENGTH = {1: 0.25, 2: 0.4, 3: 0.55}  # the match's length, 3 and more alike
+RECYCLE_PRIOR_SCALE = 0.8  # a recycled successor's prior: its stored probability times this
+
+
+def suffix_bin(match_length: int, count: int, parent_count: int) -> tuple[str, int, int, int]:
+    """A suffix proposal's calibration bin: match length (1, 2, 3+), count ratio (below
+    1/2, below 1, 1) and support (1, 2+ continuations through the child)."""
+    ratio = count / parent_count if parent_count else 0.0
+    ratio_bin = 0 if ratio < 0.5 else (1 if ratio < 1.0 else 2)
+    return ("suffix", min(match_length, 3), ratio_bin, min(count, 2))
+
+
+def recycle_bin(prob: float) -> tuple[str, int]:
+    """A recycled successor's calibration bin: its stored probability in tenths."""
+    return ("recycle", min(int(prob * 10), 9))
+
+
+@dataclass
+class _LastDraft:
+    """What a request's last draft was planned from (for the calibration)."""
+
+    parents: list[int] = field(default_factory=list)
+    evidence: list[tuple[Hashable, ...]] = field(default_factory=list)
+
+
+class TokenTreeDrafter:
+    """Token trees from suffix matches and recycled target logits (module doc).
+
+    Args:
+        model: the target, whose row probe prices verify rows (``model: ${model}``);
+            ``None``: every row costs ``row_cost``.
+        k: the deepest tree (``Drafter.k``; a round's depth is at most the asked length).
+        branches: the most children a node has (1: chains only).
+        suffix: the suffix index (``None``: no suffix source).
+        recycling: the recycling table (``None``: no recycling source).
+        max_nodes: the most nodes a request's tree may have before pricing.
+        min_path_prob: nodes whose path probability is below this are never drafted.
+        calibration_strength: the prior's weight in pseudo-observations per bin.
+        row_cost: the price of a verify row beyond the first, in steps, where the target
+            has no row probe (``None``: 0.1 on a CPU, 0 elsewhere).
+    """
+
+    name = "token_tree"
+
+    def __init__(self, model: Any = None, k: int = 8, branches: int = 4,
+                 suffix: SuffixIndex | None = None, recycling: RecyclingTable | None = None,
+                 max_nodes: int = 32, min_path_prob: float = 0.01,
+                 calibration_strength: float = 4.0, row_cost: float | None = None) -> None:
+        if k < 1:
+            raise ConfigError(f"drafter.k must be >= 1, got {k}")
+        if branches < 1:
+            raise ConfigError(f"drafter.branches must be >= 1 (1: chains), got {branches}")
+        if max_nodes < 1:
+            raise ConfigError(f"drafter.max_nodes must be >= 1, got {max_nodes}")
+        if suffix is None and recycling is None:
+            raise ConfigError(
+                "drafter=token_tree needs a source: set drafter.suffix or drafter.recycling "
+                "(conf/drafter/suffix_recycle.yaml has both)"
+            )
+        self.lm: LayeredLM | None = None if model is None else as_layered_lm(model)
+        self.k = k
+        self.branches = branches
+        self.suffix = suffix
+        self.recycling = recycling
+        self.max_nodes = max_nodes
+        self.min_path_prob = min_path_prob
+        self.calibration = AcceptanceCalibration(calibration_strength)
+        self.row_cost = row_cost
+        self._last: RequestLocal[_LastDraft] = RequestLocal(lambda _state: _LastDraft())
+        if isinstance(self.lm, NativeLM) and self.lm.packed and self.lm.device.type == "cpu":
+            row_probe(self.lm)  # prices of verify rows: probed once per model and process
+
+    def models(self) -> list[ModelInfo]:
+        return []
+
+    def uses(self) -> list[ModelUse]:
+        return []
+
+    def begin(self, states: list[DecodeState]) -> None:
+        """Each request's tokens join the suffix index (read as they grow)."""
+        if self.suffix is not None:
+            for st in states:
+                self.suffix.add(st.tokens)
+
+    def next_part(self, state: DecodeState) -> DraftPart:
+        """One part, asked for up to its k (``Drafter.next_part``)."""
+        return DraftPart("", self.k, self.k)
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
+        plans = [self._grow(st, n) for st, n in zip(states, asked, strict=True)]
+        sizes = plan_sizes([p.path_probs for p in plans], self._price(states))
+        drafts = []
+        for st, plan, size in zip(states, plans, sizes, strict=True):
+            plan = plan.truncated(size)
+            self._last.set(st, _LastDraft(plan.parents, plan.evidence))
+            parents = None if plan.is_chain else plan.parents
+            drafts.append(Draft(plan.tokens, parents=parents))
+        return drafts
+
+    def _grow(self, state: DecodeState, asked: int) -> PlannedTree:
+        """The request's best-first tree of depth <= ``asked``."""
+        if asked < 1 or not state.tokens:
+            return PlannedTree()
+        greedy = state.sampling.greedy
+        width = self.branches if greedy else 1
+        room = state.max_len - len(state.tokens)  # the context's free positions
+        cap = min(self.max_nodes, room) if width > 1 else min(asked, room)
+        match = self.suffix.match(state.tokens, asked) if self.suffix is not None else None
+        length = match.length if match is not None else 0
+        children = self._children_fn(width, length)
+        root = match.root if match is not None else None
+        return grow_tree(children, state.tokens[-1], root, cap, asked, self.min_path_prob)
+
+    def _children_fn(self, width: int, match_length: int
+                     ) -> Callable[[int, object | None], list[Candidate]]:
+        """A node's children: both sources' proposals, merged by token, best ``width``."""
+        calib = self.calibration
+        table = self.recycling
+
+        def children(token: int, state: object | None) -> list[Candidate]:
+            found: dict[int, Candidate] = {}
+            if isinstance(state, TrieNode):
+                for t, child in state.children.items():
+                    key = suffix_bin(match_length, child.count, state.count)
+                    prior = SUFFIX_PRIOR_BY_LENGTH[min(match_length, 3)] * \
+                        (child.count / state.count)
+                    found[t] = Candidate(t, calib.estimate(key, prior), (key,), child)
+            if table is not None:
+                ids, probs = table.successors(token)
+                for t, q in zip(ids[:width], probs[:width], strict=True):
+                    key = recycle_bin(q)
+                    p = calib.estimate(key, RECYCLE_PRIOR_SCALE * q)
+                    had = found.get(t)
+                    if had is None:
+                        found[t] = Candidate(t, p, (key,), None)
+                    else:  # both sources: the larger estimate, both bins learn
+                        found[t] = Candidate(t, max(p, had.prob), had.evidence + (key,),
+                                             had.state)
+            best = sorted(found.values(), key=lambda c: -c.prob)
+            return best[:width]
+
+        return children
+
+    def _price(self, states: list[DecodeState]) -> Callable[[float], float]:
+        """What a verify pass of n rows costs in one-token steps: the target's row probe
+        where it ran, else ``1 + row_cost * (n - 1)``."""
+        prices: RowPrices | None = None
+        if self.lm is not None and states:
+            sess = states[0].sessions.get(id(self.lm))
+            prices = row_prices(sess.model if sess is not None else self.lm)
+        if prices is not None:
+            return prices
+        cost = self.row_cost
+        if cost is None:
+            on_cpu = self.lm is None or self.lm.device.type == "cpu"
+            cost = 0.1 if on_cpu else 0.0
+        return lambda n: 1.0 + cost * (n - 1.0)
+
+    # ------------------------------------------------------------------ learning
+    def observe(
+        self,
+        states: list[DecodeState],
+        drafts: list[Draft],
+        target_logits: list[torch.Tensor],
+        verdicts: list[Acceptance],
+    ) -> None:
+        """Recycle every verified position's logits; calibrate on the kept nodes."""
+        inputs: list[int] = []
+        for st, draft, verdict in zip(states, drafts, verdicts, strict=True):
+            inputs += [st.tokens[-1], *draft.tokens]  # row 0 follows the last committed token
+            last = self._last.get(st)
+            if len(last.parents) == len(draft.tokens) and draft.tokens:
+                kept = set(verdict.path) if verdict.path is not None \
+                    else set(range(verdict.num_accepted))
+                self.calibration.record_tree(last.parents, last.evidence, kept)
+            self._last.set(st, _LastDraft())
+        if self.recycling is not None and inputs:
+            rows = torch.cat([lg.reshape(-1, lg.shape[-1]) for lg in target_logits])
+            self.recycling.update(inputs, rows)
