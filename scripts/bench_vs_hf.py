@@ -42,7 +42,11 @@ from specflow.cpu import probe_cpu, resolve_dtype  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
-from specflow.models.row_padding import row_probe  # noqa: E402
+from specflow.models.row_padding import (  # noqa: E402
+    choose_dense_rows,
+    row_probe,
+    use_dense_rows,
+)
 from specflow.recycling import RecyclingTable  # noqa: E402
 from specflow.runner import build_prompt  # noqa: E402
 from specflow.scheduler import generate  # noqa: E402
@@ -149,7 +153,12 @@ def main() -> None:
         "--min-rows", type=int, default=None,
         help="adds <method>_rows for each of ours: the same pipeline with the models' packed "
         "matmuls padded to this many rows (model.min_rows; 0: the probed row count, "
-        "specflow/models/row_padding.py); ours without the suffix run unpadded",
+        "specflow/models/row_padding.py); ours without the suffix run as --rows says",
+    )
+    ap.add_argument(
+        "--rows", choices=("probe", "1"), default="probe",
+        help="the row padding of ours (model.min_rows): probe = each model's probed row count, "
+        "as run.py's default model.min_rows=null sets it (the product's default); 1 = unpadded",
     )
     ap.add_argument("--only", nargs="*", default=None, help="subset of method names to run")
     ap.add_argument("--out", default=None, help="write the raw measurements as JSON here")
@@ -196,10 +205,10 @@ def main() -> None:
             draft_length=AdaptiveDraftLength(),
         ),
     }
-    def token_tree(suffix: bool, recycling: bool, branches: int = 4) -> TokenTreeDrafter:
+    def token_tree(suffix: bool, recycling: bool, branches: int = 3) -> TokenTreeDrafter:
         # conf/drafter/suffix_recycle.yaml (recycle.yaml, suffix.yaml: one source)
         return TokenTreeDrafter(
-            target.lm, k=8, branches=branches,
+            target.lm, k=8, branches=branches, max_nodes=12,
             suffix=SuffixIndex(max_ngram=6, min_ngram=1, max_matches=16) if suffix else None,
             recycling=RecyclingTable(width=8) if recycling else None,
         )
@@ -283,16 +292,29 @@ def main() -> None:
         print(f"row probe (ms by rows): "
               f"{ {r: round(t * 1e3, 2) for r, t in probe.seconds.items()} } -> {padded_rows}")
 
-    def run_ours(pipe: SpeculativePipeline, min_rows: int = 1
+    # ours' row padding by model: what run.py's model.min_rows=null chooses, or 1
+    base_rows = {id(lm): row_probe(lm).chosen if args.rows == "probe" else 1
+                 for lm in padded_models}
+    for lm in padded_models:
+        probe = row_probe(lm)
+        if args.rows == "probe":  # and dense matmuls where they beat packed ones, as run.py
+            use_dense_rows(lm, choose_dense_rows(probe, base_rows[id(lm)]))
+        print(f"{lm.info.name}: row probe ms by rows "
+              f"{ {r: round(t * 1e3, 2) for r, t in {**probe.seconds, **probe.priced}.items()} }"
+              f", dense { {r: round(t * 1e3, 2) for r, t in probe.dense.items()} }"
+              f", ours run with min_rows={base_rows[id(lm)]}, dense at "
+              f"{sorted(lm.dense_rows) or 'no row count'}")
+
+    def run_ours(pipe: SpeculativePipeline, min_rows: int | None = None
                  ) -> Callable[[list[int]], tuple[list[int], float, float]]:
         def go(prompt: list[int]) -> tuple[list[int], float, float]:
             for lm in padded_models:
-                lm.min_rows = min_rows
+                lm.min_rows = base_rows[id(lm)] if min_rows is None else min_rows
             try:
                 gen = generate(pipe, prompt, args.max_new_tokens, stop_token_ids=eos)
             finally:
                 for lm in padded_models:
-                    lm.min_rows = 1
+                    lm.min_rows = base_rows[id(lm)]
             last_stats[0] = gen
             return gen.tokens, gen.total_s, gen.ttft_s if gen.ttft_s is not None else gen.total_s
 

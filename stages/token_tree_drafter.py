@@ -105,9 +105,9 @@ class TokenTreeDrafter:
 
     name = "token_tree"
 
-    def __init__(self, model: Any = None, k: int = 8, branches: int = 4,
+    def __init__(self, model: Any = None, k: int = 8, branches: int = 3,
                  suffix: SuffixIndex | None = None, recycling: RecyclingTable | None = None,
-                 max_nodes: int = 32, min_path_prob: float = 0.01,
+                 max_nodes: int = 12, min_path_prob: float = 0.01,
                  calibration_strength: float = 4.0, row_cost: float | None = None) -> None:
         if k < 1:
             raise ConfigError(f"drafter.k must be >= 1, got {k}")

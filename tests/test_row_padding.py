@@ -14,6 +14,7 @@ from specflow.models.row_padding import (
     RowPrices,
     RowProbe,
     apply_min_rows,
+    choose_dense_rows,
     choose_min_rows,
     probe_min_rows,
     row_padding_info,
@@ -77,7 +78,8 @@ def test_apply_min_rows_sets_probes_once_and_refuses_bad_values(monkeypatch):
     apply_min_rows(lm, None)
     apply_min_rows(lm, None)
     assert lm.min_rows == 3 and calls == [lm]  # probed once, then remembered
-    assert row_padding_info(lm) == {"min_rows": 3, "probe_ms": {"1": 1000.0, "3": 500.0}}
+    assert row_padding_info(lm) == {"min_rows": 3, "probe_ms": {"1": 1000.0, "3": 500.0},
+                                    "dense_ms": None, "dense_rows": []}
     assert row_padding_info(hf) == {"min_rows": 1}
     for bad in (0, -2, "four"):
         with pytest.raises(ConfigError, match="min_rows"):
@@ -158,3 +160,53 @@ def test_row_prices_never_fall_with_more_rows_nor_below_a_step():
             RowPrices(bad, 1)
     with pytest.raises(ValueError, match="min_rows >= 1"):
         RowPrices({1: 1.0, 2: 1.0}, 0)
+
+
+def test_dense_rows_are_chosen_where_dense_beats_packed_as_padded():
+    """Dense beats packed at 1 row by more than the margin (0.8 against 1.0), not at 2
+    (0.97 against 1.0) nor at 8 (packed 1.1); with padding to 4 rows the 1-row step is
+    packed at 4 rows (0.7): dense loses there."""
+    probe = RowProbe({1: 1.0, 2: 1.0, 4: 0.7}, 4, priced={8: 1.1},
+                     dense={1: 0.8, 2: 0.97, 4: 0.9, 8: 1.2})
+    assert choose_dense_rows(probe, min_rows=1) == frozenset({1})
+    assert choose_dense_rows(probe, min_rows=4) == frozenset()
+    assert choose_dense_rows(RowProbe({1: 1.0}, 1), min_rows=1) == frozenset()
+
+
+@needs_onednn
+@pytest.mark.parametrize("dense_rows", [frozenset(), frozenset({1, 2, 3, 4})])
+def test_decoding_equals_hf_greedy_with_dense_or_packed_row_counts(dense_rows):
+    """Both branches of the kernel choice: 1-4 row passes dense (plain steps, short
+    verifications) and the rest packed, or every pass packed: HF's greedy tokens; the dense
+    copies exist only while a count uses them."""
+    hf = tiny_hf_model("llama", num_layers=3, seed=4)
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, f"tiny-dense-{len(dense_rows)}"))
+    assert lm.packed
+    lm.set_dense_rows(dense_rows)
+    assert lm.dense_rows == dense_rows
+    assert len(lm.dense_layers) == (3 if dense_rows else 0)
+    assert all(not w.wqkv.is_mkldnn for w in lm.dense_layers)
+    prompts = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 3, 4, 5], [2]]
+    for drafter in (None, PLDDrafter(k=3)):
+        pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter)
+        for p in prompts:
+            assert generate(pipe, p, 20).tokens == hf_greedy(hf, p, 20)
+    lm.set_dense_rows(frozenset())
+    assert lm.dense_layers == [] and lm.dense_rows == frozenset()
+    unpacked = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-dense-unpacked"), packed=False)
+    unpacked.set_dense_rows(frozenset({1}))
+    assert unpacked.dense_rows == frozenset() and unpacked.dense_layers == []
+
+
+def test_row_prices_follow_the_kernel_each_count_runs():
+    """With 1 row dense (0.8) and padding to 2: a step costs 0.8, 2 rows packed 1.0, 3 rows
+    packed 1.2: prices 1, 1.25, 1.5."""
+    hf = tiny_hf_model("llama", num_layers=2)
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-dense-prices"))
+    lm.row_probe = RowProbe({1: 1.0, 2: 1.0, 3: 1.2}, 2, dense={1: 0.8, 2: 1.1, 3: 1.3})
+    lm.min_rows = 2
+    lm.dense_rows = frozenset({1})
+    prices = row_prices(lm)
+    assert prices is not None
+    assert [prices(n) for n in (1, 2, 3)] == pytest.approx([1.0, 1.25, 1.5])
+    lm.dense_rows = frozenset()

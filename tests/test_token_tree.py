@@ -314,3 +314,20 @@ def test_a_drafter_without_sources_is_refused():
         TokenTreeDrafter(None)
     with pytest.raises(ConfigError, match="drafter.branches must be >= 1"):
         TokenTreeDrafter(None, branches=0, recycling=RecyclingTable())
+
+
+def test_the_readme_lists_every_member_of_the_drafter_protocol():
+    """"Adding a stage" names each member the ``Drafter`` protocol declares."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "specflow/protocols.py").read_text())
+    (drafter,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Drafter"]
+    members = {n.target.id for n in drafter.body if isinstance(n, ast.AnnAssign)} | {
+        n.name for n in drafter.body if isinstance(n, ast.FunctionDef)}
+    assert {"name", "k", "branches", "next_part", "propose"} <= members
+    section = (root / "README.md").read_text().split("### Adding a stage", 1)[1]
+    listed = set(re.findall(r"`(\w+)", section.split("\n2. ", 1)[0]))
+    assert members <= listed, members - listed

@@ -209,6 +209,10 @@ class NativeLM:
         # ``specflow.models.row_padding``): 1 = as given.
         self.min_rows = 1
         self.row_probe: object | None = None  # row_padding.RowProbe, once probed
+        # Row counts whose passes multiply dense copies of the packed matrices
+        # (``set_dense_rows``; ``row_padding.use_dense_rows``), and those copies.
+        self.dense_rows: frozenset[int] = frozenset()
+        self.dense_layers: list[_Layer] = []
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -412,7 +416,23 @@ class NativeLM:
         whole batch); keys/values are written and attended by the batch's backend (its
         ``AttendedKV``s name it: contiguous, paged or static).
         """
-        return self.forward_layer(self.layers[layer], hidden, batch, memo)
+        weights = self.layers[layer]
+        if hidden.shape[0] in self.dense_rows:  # a row count dense runs faster here
+            weights = self.dense_layers[layer]
+        return self.forward_layer(weights, hidden, batch, memo)
+
+    def set_dense_rows(self, rows: frozenset[int]) -> None:
+        """Run passes of ``rows`` rows on dense copies of the packed matrices (made once,
+        only when ``rows`` is not empty; an unpacked model is dense already)."""
+        if rows and self.packed and not self.dense_layers:
+            self.dense_layers = [
+                _Layer(**{f.name: dense(getattr(w, f.name)) if getattr(w, f.name) is not None
+                          else None for f in fields(_Layer)})
+                for w in self.layers
+            ]
+        self.dense_rows = frozenset(rows) if self.packed else frozenset()
+        if not self.dense_rows:
+            self.dense_layers = []
 
     @torch.inference_mode()
     def forward_layer(
@@ -449,6 +469,8 @@ class NativeLM:
         Runs under ``no_grad`` (not inference mode) so callers may edit the logits in place.
         """
         x = self.head_input(hidden, exit_layer)  # [T, H]
+        if x.shape[0] in self.dense_rows:
+            return F.linear(x, self.lm_head).float()  # [T, V], the dense LM head
         return linear(x, self.head_weight, None, self.min_rows).float()  # [T, V]
 
     @torch.no_grad()

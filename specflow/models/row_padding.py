@@ -14,6 +14,13 @@ The same probe prices a verification pass (``RowPrices``): it also times ``PRICE
 (never chosen as padding), so a draft-length policy knows what k + 1 verify rows cost against
 a one-token step without fitting that from noisy round times.
 
+It also times the same matrices unpacked (ordinary ``F.linear``) at every count: on some
+CPUs the dense kernel beats the packed one at a few row counts (an Intel CPU ran the 0.5B's
+1-row step dense in 82 ms against 112 packed).  Where dense is faster by more than
+``MARGIN`` than packed at that count (padded as chosen), the model multiplies those row
+counts with dense copies of its matrices (``use_dense_rows``: logged; the copies cost the
+layers' memory once more, so they are made only where a count wins).
+
 Padding appends zero rows to the input of each packed multiply and drops their outputs
 (``specflow.models.native.linear``).  Every output row depends only on its own input row;
 a kernel chosen for another row count may round differently in the last bits, as a
@@ -31,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.native import NativeLM, linear
+from specflow.models.native import NativeLM, dense, linear
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +50,30 @@ PRICED = (8, 12, 16)  # timed for RowPrices only: verify passes of longer drafts
 @dataclass(frozen=True)
 class RowProbe:
     """What ``probe_min_rows`` measured: median seconds of the probed matmuls per candidate
-    row count, the row count chosen (``choose_min_rows``), and the seconds of the larger row
-    counts timed for pricing only (``priced``)."""
+    row count, the row count chosen (``choose_min_rows``), the seconds of the larger row
+    counts timed for pricing only (``priced``), and the same matrices' seconds unpacked at
+    every count (``dense``; empty where not timed)."""
 
     seconds: dict[int, float]
     chosen: int
     priced: dict[int, float] = field(default_factory=dict)
+    dense: dict[int, float] = field(default_factory=dict)
+
+    def packed_at(self, rows: int, min_rows: int) -> float | None:
+        """Seconds of a packed pass of ``rows`` rows padded to ``min_rows`` (``None``: the
+        padded count was not timed)."""
+        return {**self.seconds, **self.priced}.get(max(rows, min_rows))
+
+
+def choose_dense_rows(probe: RowProbe, min_rows: int, margin: float = MARGIN) -> frozenset[int]:
+    """The row counts whose dense pass beats the packed one (padded to ``min_rows``) by more
+    than ``margin`` (relative)."""
+    out = set()
+    for rows, dense_s in probe.dense.items():
+        packed_s = probe.packed_at(rows, min_rows)
+        if packed_s is not None and dense_s < (1.0 - margin) * packed_s:
+            out.add(rows)
+    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -156,8 +181,22 @@ def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers:
     used = [[w.wqkv, w.wo, w.w_gate_up, w.w_down] for w in lm.layers[: max(1, layers)]]
     extra = [r for r in priced if r not in candidates]
     timed = time_rows(used, [*candidates, *extra], repeats)
+    # dense copies of one layer, a few repeats: enough to see a kernel that wins clearly
+    dense_timed = time_rows([[dense(w) for w in used[0]]], [*candidates, *extra],
+                            max(1, repeats // 2))
+    dense_timed = {r: t * len(used) for r, t in dense_timed.items()}  # as over ``layers``
     seconds = {r: timed[r] for r in candidates}
-    return RowProbe(seconds, choose_min_rows(seconds), {r: timed[r] for r in extra})
+    return RowProbe(seconds, choose_min_rows(seconds), {r: timed[r] for r in extra},
+                    dense_timed)
+
+
+def use_dense_rows(lm: NativeLM, rows: frozenset[int]) -> None:
+    """Multiply ``rows``-row passes of ``lm`` with dense copies of its packed matrices (made
+    once, only when ``rows`` is not empty), every other count packed; logged."""
+    lm.set_dense_rows(rows)
+    if rows:
+        log.info("%s: dense matmuls at %s rows (faster than packed there by the row probe)",
+                 lm.info.name, sorted(rows))
 
 
 def apply_min_rows(lm: object, setting: int | None) -> None:
@@ -178,7 +217,9 @@ def apply_min_rows(lm: object, setting: int | None) -> None:
     if setting is not None:
         lm.min_rows = setting
         return
-    lm.min_rows = row_probe(lm).chosen
+    probe = row_probe(lm)
+    lm.min_rows = probe.chosen
+    use_dense_rows(lm, choose_dense_rows(probe, lm.min_rows))
 
 
 def row_probe(lm: NativeLM) -> RowProbe:
@@ -187,10 +228,10 @@ def row_probe(lm: NativeLM) -> RowProbe:
     probe = lm.row_probe
     if not isinstance(probe, RowProbe):
         probe = lm.row_probe = probe_min_rows(lm)
-        log.info("%s: packed matmul ms by rows %s (fastest beyond the margin: %d)",
+        log.info("%s: packed matmul ms by rows %s (fastest beyond the margin: %d); dense %s",
                  lm.info.name, {r: round(s * 1e3, 2)
                                  for r, s in {**probe.seconds, **probe.priced}.items()},
-                 probe.chosen)
+                 probe.chosen, {r: round(s * 1e3, 2) for r, s in probe.dense.items()})
     return probe
 
 
@@ -207,7 +248,13 @@ def row_prices(lm: object) -> RowPrices | None:
     timed = {**probe.seconds, **probe.priced}
     if len(timed) < 2 or 1 not in timed:
         return None
-    return RowPrices(timed, lm.min_rows)
+    if not lm.dense_rows:
+        return RowPrices(timed, lm.min_rows)
+    # Some counts run dense: a count's seconds are what the model runs there (dense, or
+    # packed padded to min_rows), so the prices need no padding of their own.
+    effective = {r: probe.dense[r] if r in lm.dense_rows and r in probe.dense
+                 else timed.get(max(r, lm.min_rows), t) for r, t in timed.items()}
+    return RowPrices(effective, 1)
 
 
 def row_padding_info(lm: object) -> dict[str, object]:
@@ -219,5 +266,8 @@ def row_padding_info(lm: object) -> dict[str, object]:
     probed = ({str(r): round(t * 1e3, 3)
                for r, t in sorted({**probe.seconds, **probe.priced}.items())}
               if isinstance(probe, RowProbe) else None)
-    return {"min_rows": lm.min_rows, "probe_ms": probed}
+    dense_ms = ({str(r): round(t * 1e3, 3) for r, t in sorted(probe.dense.items())}
+                if isinstance(probe, RowProbe) and probe.dense else None)
+    return {"min_rows": lm.min_rows, "probe_ms": probed, "dense_ms": dense_ms,
+            "dense_rows": sorted(lm.dense_rows)}
 
