@@ -181,10 +181,10 @@ def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers:
     used = [[w.wqkv, w.wo, w.w_gate_up, w.w_down] for w in lm.layers[: max(1, layers)]]
     extra = [r for r in priced if r not in candidates]
     timed = time_rows(used, [*candidates, *extra], repeats)
-    # dense copies of one layer, a few repeats: enough to see a kernel that wins clearly
-    dense_timed = time_rows([[dense(w) for w in used[0]]], [*candidates, *extra],
-                            max(1, repeats // 2))
-    dense_timed = {r: t * len(used) for r, t in dense_timed.items()}  # as over ``layers``
+    # the same layers dense (as many weights streamed: fewer would sit in the cache and
+    # look faster than they run), fewer repeats: enough to see a kernel that wins clearly
+    dense_timed = time_rows([[dense(w) for w in layer] for layer in used],
+                            [*candidates, *extra], max(1, repeats // 2))
     seconds = {r: timed[r] for r in candidates}
     return RowProbe(seconds, choose_min_rows(seconds), {r: timed[r] for r in extra},
                     dense_timed)
