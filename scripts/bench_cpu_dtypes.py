@@ -1,4 +1,4 @@
-"""Which dtype and weight layout is fastest for a model on each x86 ISA level (issue 22).
+"""Which dtype and weight layout is fastest for a model on each x86 ISA level.
 
     python scripts/bench_cpu_dtypes.py --model qwen2.5-coder-0.5b --rounds 3
 

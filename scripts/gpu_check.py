@@ -1,4 +1,4 @@
-"""The GPU check: ours vs HF ``generate`` on the same prompts, one table (issue: the GPU runner).
+"""The GPU check: ours vs HF ``generate`` on the same prompts, one table.
 
     python scripts/gpu_check.py [--device cuda] [--dtype bfloat16] [--requests 24]
         [--tokens 128] [--hf-requests 8] [--out DIR]

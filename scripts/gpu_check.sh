@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check, one prepared command (budget: <= 8 minutes of device time with the model's
-# preparation).  On the GPU machine, after the two transfers of ../shared/gpu/README.md:
+# The GPU check, one command (about 8 minutes with the model's
+# preparation).  On the GPU machine, prepared as docs/gpu.md says:
 #
-#   source .gpu-payload/device_env.sh && bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh
 #
 # Prints the machine, the CUDA unit tests' result (when pytest is there), and one table:
 # ours plain b1/b8/b32, pld and pld+adaptive b1/b8, HF generate plain b1/b8 and prompt lookup

@@ -1,4 +1,4 @@
-"""Where a forward of T new tokens spends its time (issue 17's profile), per op.
+"""Where a forward of T new tokens spends its time, per op.
 
     python scripts/profile_step.py --model qwen2.5-coder-1.5b --context 300 --tokens 1,2,3,5,9
 

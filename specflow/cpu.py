@@ -20,8 +20,8 @@ one; oneDNN's bf16 check then fails exactly as on a real AVX2 CPU.  Everything t
 decides packing or a dtype asks ``probe_cpu()`` (tests replace it through ``monkeypatch``),
 never a CPU feature directly.
 
-The choices (measured per ISA level by ``scripts/bench_cpu_dtypes.py``; table in
-``docs/benchmarks.md`` §9):
+The choices (measured per ISA level by ``scripts/bench_cpu_dtypes.py``; which pipeline is
+fastest per CPU: docs/performance.md):
 
 - packed weights (``model.packed_weights=null``): wherever oneDNN runs the model's dtype
   (``can_pack``); otherwise unpacked, logged once with the reason.
@@ -221,6 +221,6 @@ def check_cpu_weights(model: str, setting: str, dtype: str, packed: bool | None)
     if dtype == "bfloat16":
         raise ConfigError(
             f"{model}: {at}dtype=bfloat16: {why}; use {at}dtype=auto (float32 here, "
-            f"packed: the faster one on such CPUs, docs/benchmarks.md §9), or add "
+            f"packed: the faster one on such CPUs), or add "
             f"{at}packed_weights=false to run bfloat16 unpacked anyway (slower)"
         )

@@ -23,7 +23,7 @@ this round asks for request i, ``d_i = len(draft_i.tokens) <= asked_i`` what it 
   3. logits = target_verifier.score(states, drafts)  # [d_i+1, V] each  time/verify_s
   4. verdict_i = acceptor.accept(state_i, draft_i, logits_i)            time/accept_s
      drafter.observe(drafting states, ...)       (a pool's bandit reward; in accept_s)
-  5. per request: draft_length.observe(..., part=draft_i.part), stats (per part too),
+  5. per request: draft_length.observe(state_i, RoundReport(...)), stats (per part too),
      commit draft[:accepted] + [next_token]
      (a tree draft, ``Draft.parents``: the accepted path's tokens, ``Acceptance.path``).
 
@@ -62,6 +62,7 @@ from specflow.state import (
     DecodeState,
     Draft,
     RequestLocal,
+    RoundReport,
     StageTimes,
 )
 
@@ -296,10 +297,10 @@ class SpeculativePipeline:
                 # Both are read from one clock (``DecodeState.clock`` is this ``clock``).
                 draft_s = max(0.0, t1 - t0 - draft.catchup_s) if n > 0 else 0.0
                 # A tree's nodes are not a longer draft: the policy sees its depth.
-                self.draft_length.observe(
-                    st, draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s,
+                self.draft_length.observe(st, RoundReport(
+                    draft.depth, accepted, draft_s, t2 - t1, catchup_s=draft.catchup_s,
                     part=round_part, rows=drafted + 1, batch_rows=batch_rows,
-                )
+                ))
             st.stats.record_round(
                 self.level, drafted, accepted, tree=draft.parents is not None,
                 part=round_part, asked=n,

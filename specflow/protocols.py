@@ -20,9 +20,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from specflow.kv.base import LayeredLM, ModelInfo
+from specflow.kv.base import KVSpec, LayerBatch, LayeredLM, ModelInfo
+from specflow.models.native import NativeLM
 from specflow.models.row_padding import RowPrices
-from specflow.state import Acceptance, DecodeState, Draft
+from specflow.state import Acceptance, DecodeState, Draft, RoundReport
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,35 @@ def draft_limit(drafter: Drafter | DraftPart, wanted: int) -> int:
     draft-length policy, of the part that will draft; a fallback or a pool, for each of its
     parts)."""
     return min(wanted, drafter.k)
+
+
+class FeatureHeadRunner(Protocol):
+    """A feature-level draft head placed beside its target (``drafter=feature``): the
+    project's own head (``specflow.models.feature_head.FeatureDraftModel``) or a published
+    EAGLE-1/2 head (``specflow.models.eagle_head.EagleDraftModel``).
+
+    ``features(h_N [R, H]) -> f [R, H]``: the target's last-layer outputs as the head reads
+    them; ``step(f [R, H], t_{p+1} [R], batch) -> f^ [R, H]``: one row per position (a
+    feature or a fed-back prediction, and the token after it), appended to each request's
+    head cache (``kv``: one layer); ``logits(f^ [R, H]) -> [R, S]`` over the draft
+    vocabulary, whose target ids are ``ids [S]``; ``to_vocab([R, S] probabilities) ->
+    [R, V]``.  ``target``: the placed target (its device, row padding and row probe).
+    """
+
+    target: NativeLM
+    ids: torch.Tensor
+
+    @property
+    def kv(self) -> KVSpec: ...
+
+    def features(self, final: torch.Tensor) -> torch.Tensor: ...
+
+    def step(self, feats: torch.Tensor, next_ids: torch.Tensor, batch: LayerBatch
+             ) -> torch.Tensor: ...
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor: ...
+
+    def to_vocab(self, probs: torch.Tensor) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -244,25 +274,9 @@ class DraftLengthPolicy(Protocol):
         """The asked draft length, in ``0..limit`` (``limit = min(part's k, budget - 1)``,
         >= 1), for a round drafted by ``part``."""
 
-    def observe(
-        self,
-        state: DecodeState,
-        drafted: int,
-        accepted: int,
-        draft_s: float,
-        verify_s: float,
-        catchup_s: float = 0.0,
-        part: str = "",
-        rows: int = 0,
-        batch_rows: int = 0,
-    ) -> None:
-        """What the round did: tokens drafted (a tree: its depth) and accepted, seconds
-        drafting (without the drafter's catch-up) and verifying, and seconds the drafter
-        spent catching up; ``part``: the part that drafted (``Draft.part``), or, for a plain
-        round, the part the policy chose 0 for; ``rows``: the request's verify rows (its
-        draft's tokens or tree nodes + 1; 0: ``drafted + 1``); ``batch_rows``: the rows of
-        the whole verification pass those seconds paid for, every request of the batch
-        together (0: ``rows``)."""
+    def observe(self, state: DecodeState, report: RoundReport) -> None:
+        """What the request's round did (tokens drafted and accepted, seconds drafting,
+        verifying and catching up, the part that drafted, verify rows)."""
 
 
 @runtime_checkable

@@ -85,7 +85,7 @@ class TurnRecord:
     """One turn of a conversation: its prompt length and the method's answer.
 
     ``output_tokens`` is ``None`` (and not written) for a record whose token ids were left
-    out to keep it small (the run folders under ``docs/data``).
+    out to keep it small (the run folders under ``docs/records/runs``).
     """
 
     prompt_tokens: int

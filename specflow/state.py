@@ -126,6 +126,36 @@ class Acceptance:
     path: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class RoundReport:
+    """What one request's round did, as its draft-length policy sees it
+    (``DraftLengthPolicy.observe``).
+
+    Attributes:
+        drafted: tokens drafted (a tree: its depth; 0: a plain round).
+        accepted: draft tokens kept (``Acceptance.num_accepted``).
+        draft_s: seconds drafting, without the drafter's catch-up.
+        verify_s: seconds of the target's verification pass.
+        catchup_s: seconds the drafter spent catching up (lazy prefill, tokens committed
+            while it sat idle).
+        part: the drafter's part that drafted (``Draft.part``), or, for a plain round, the
+            part the policy chose 0 for (``""`` for a drafter of one part).
+        rows: the request's verify rows (its draft's tokens or tree nodes + 1; 0:
+            ``drafted + 1``).
+        batch_rows: the rows of the whole verification pass ``verify_s`` paid for, every
+            request of the batch together (0: ``rows``).
+    """
+
+    drafted: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+    catchup_s: float = 0.0
+    part: str = ""
+    rows: int = 0
+    batch_rows: int = 0
+
+
 @dataclass
 class StageTimes:
     """Wall-clock seconds per stage, summed over a request.

@@ -2,7 +2,8 @@
 
 Each round the engine offers a policy ``limit = min(drafter.k, budget - 1)`` (the drafter's
 maximum, never past ``max_new_tokens``) and the policy returns the asked length in
-``0..limit`` (glossary: ``specflow.state``).
+``0..limit`` (glossary: ``specflow.state``); after the round it reports what happened in a
+``RoundReport``.  User guide: docs/methods.md, section "Draft length".
 
 - ``FixedDraftLength``: always the limit (the default when no policy is set).
 - ``HeuristicDraftLength``: Hugging Face's rule: +2 after a fully accepted draft, -1 otherwise.
@@ -23,31 +24,27 @@ or ``v`` moves, so a verification measured at a longer context than an old ``t1`
 stay in beta as a cost of drafting once a plain round re-measures ``t1``.
 It picks ``argmax_k E[tokens | k] / cost(k)`` over ``0..limit``.
 
-Priced rows.  Where the target verifier measured what its passes cost by row count (the row
-probe of a packed CPU model, ``TargetVerifier.row_prices``; ``row_prices: true``) and its
-passes are whole (no drafter or intermediate verifier has run the target's first layers for
-it: the engine gives no prices otherwise), beta is not fitted.  A round drafting k tokens
-verifies ``o + 1 + w k`` rows, with o the other requests' rows in the batch's pass (0 at
-batch 1) and w the rows a drafted token brings (1 for a chain, about the branches for a
+Priced rows (``row_prices: true``, the default).  Where the target verifier measured what its
+passes cost by row count (the row probe of a packed CPU model, ``TargetVerifier.row_prices``)
+and its passes are whole (no drafter or intermediate verifier has run the target's first
+layers for it: the engine gives no prices otherwise), beta is not fitted.  A round drafting k
+tokens verifies ``o + 1 + w k`` rows, with o the other requests' rows in the batch's pass (0
+at batch 1) and w the rows a drafted token brings (1 for a chain, about the branches for a
 tree), both averaged over the request's rounds, and
 
     t_verify(k) = t1 * price(o + 1 + w k),     a plain round: t1 * price(o + 1)
 
 with the row padding in the price (a pass of at most ``model.min_rows`` rows costs a step).
-Fitted from round times, beta swings widely within one request (0.00-0.14 of a step a token
-on the 1.5B), because one verification's seconds vary by a third; the probe's price is one
-number per process.  Every round measures t1 too, as ``verify_s / price(rows of the pass)``,
-so no request needs a plain round to measure it, and a plain round is only ever the policy's
-choice.  Measured on the 2-vCPU AMD EPYC of ``docs/benchmarks.md`` §25 (five interleaved
-comparisons: two drafters in two runs on the 1.5B, and the main job on SmolLM2), it was
-ahead of the fitted beta in four, by 1-5 %, and 2.5 % behind in one, so it is the default.
-It is not exact: the probe (the matmuls of four layers) priced a whole pass of 5-7 rows
-0.1-0.15 of a step below what it took, and at a 2-row price of 1.17 a feature head whose
-first three rounds all failed sat out most of the next two requests (the inherited
-evidence).  alpha is estimated from
-the positions tried (a position is tried when every earlier one was accepted), with a
-Beta(1, 1) prior and a discount so it follows drift within a request, and used
-optimistically (alpha + ``optimism`` standard errors).
+Why it is the default: one verification's seconds vary by about a third, so beta fitted from
+round times swings widely within one request, while the probe's price is one number per
+process; in interleaved comparisons on the 1.5B and SmolLM2 it was ahead of the fitted beta
+in most.  It is not exact (the probe times the matmuls of four layers, not a whole pass).
+Every round measures t1 too, as ``verify_s / price(rows of the pass)``, so no request needs
+a plain round to measure it, and a plain round is only ever the policy's choice.
+
+alpha is estimated from the positions tried (a position is tried when every earlier one was
+accepted), with a Beta(1, 1) prior and a discount so it follows drift within a request, and
+used optimistically (alpha + ``optimism`` standard errors).
 
 With ``acceptance: per_position`` each draft position j = 1, 2, ... has its own rate alpha_j
 (the share of drafts whose j-th token was accepted once the first j - 1 were), and
@@ -55,10 +52,10 @@ With ``acceptance: per_position`` each draft position j = 1, 2, ... has its own 
     E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i
 
 A drafter whose second token is accepted far less often than its first (a feature head
-drafting from its own predicted features: about 0.2 against 0.32, ``docs/benchmarks.md``
-§16) is over-drafted by the geometric model, which pools both.  alpha_j is shrunk towards
-the pooled estimate with ``position_strength`` pseudo-positions, so a position tried rarely
-(a deep one) behaves as the geometric model until its own evidence counts.
+drafting from its own predicted features) is over-drafted by the geometric model, which
+pools both.  alpha_j is shrunk towards the pooled estimate with ``position_strength``
+pseudo-positions, so a position tried rarely (a deep one) behaves as the geometric model
+until its own evidence counts.
 
 Per part of the drafter (``Drafter.next_part``): a fallback drafter is two drafters, prompt
 lookup where the context has a match and a head or draft model elsewhere, and their drafts
@@ -67,9 +64,8 @@ head's token, and costs nothing to draft).  Each request keeps one cost model pe
 chosen with and fed by that part's rounds only, so the copies are asked for at their own
 length and the head at its own.  t1 (and with it the plain rounds) is the target's: a plain
 round (with priced rows, any round) updates every part's t1; the part that sat out counts a
-plain round in its ``plain_streak``.  A
-drafter of one part has one model.  ``by_part: false`` pools every part in one model (the
-policy before parts, kept to measure against).
+plain round in its ``plain_streak``.  A drafter of one part has one model.
+``by_part: false`` pools every part in one model.
 
 A new request inherits, per part, the previous request's times and, shrunk to
 ``prior_strength`` positions, its acceptance evidence: short answers would otherwise be over
@@ -97,7 +93,7 @@ from dataclasses import dataclass, field
 
 from specflow.errors import ConfigError
 from specflow.models.row_padding import RowPrices
-from specflow.state import DecodeState, RequestLocal
+from specflow.state import DecodeState, RequestLocal, RoundReport
 
 
 class FixedDraftLength:
@@ -112,18 +108,7 @@ class FixedDraftLength:
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         return limit
 
-    def observe(
-        self,
-        state: DecodeState,
-        drafted: int,
-        accepted: int,
-        draft_s: float,
-        verify_s: float,
-        catchup_s: float = 0.0,
-        part: str = "",
-        rows: int = 0,
-        batch_rows: int = 0,
-    ) -> None:
+    def observe(self, state: DecodeState, report: RoundReport) -> None:
         pass
 
 
@@ -147,23 +132,12 @@ class HeuristicDraftLength:
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         return min(self._k.get(state).get(part, self.initial), limit)
 
-    def observe(
-        self,
-        state: DecodeState,
-        drafted: int,
-        accepted: int,
-        draft_s: float,
-        verify_s: float,
-        catchup_s: float = 0.0,
-        part: str = "",
-        rows: int = 0,
-        batch_rows: int = 0,
-    ) -> None:
-        if drafted == 0:
+    def observe(self, state: DecodeState, report: RoundReport) -> None:
+        if report.drafted == 0:
             return
         ks = self._k.get(state)
-        k = ks.get(part, self.initial)
-        ks[part] = k + 2 if accepted == drafted else max(1, k - 1)
+        k = ks.get(report.part, self.initial)
+        ks[report.part] = k + 2 if report.accepted == report.drafted else max(1, k - 1)
 
 
 @dataclass
@@ -435,20 +409,10 @@ class AdaptiveDraftLength:
         behind = len(state.tokens) - (m.synced_at or 0)
         return behind * m.t_catchup if behind > 1 else 0.0
 
-    def observe(
-        self,
-        state: DecodeState,
-        drafted: int,
-        accepted: int,
-        draft_s: float,
-        verify_s: float,
-        catchup_s: float = 0.0,
-        part: str = "",
-        rows: int = 0,
-        batch_rows: int = 0,
-    ) -> None:
-        if not self.by_part:
-            part = ""
+    def observe(self, state: DecodeState, report: RoundReport) -> None:
+        drafted, accepted = report.drafted, report.accepted
+        draft_s, verify_s, catchup_s = report.draft_s, report.verify_s, report.catchup_s
+        part = report.part if self.by_part else ""
         m = self.cost_model(state, part)
         self._last[part] = m
         w = self.ema
@@ -456,8 +420,8 @@ class AdaptiveDraftLength:
         def smooth(old: float | None, new: float) -> float:
             return new if old is None else (1 - w) * old + w * new
 
-        rows = rows or drafted + 1
-        batch_rows = max(batch_rows, rows)
+        rows = report.rows or drafted + 1
+        batch_rows = max(report.batch_rows, rows)
         # A plain round measures t1 (the target's, so every part's), and with priced rows
         # so does every round: seconds of its pass over the price of the pass's rows.
         t1_seen = (verify_s / self._prices(batch_rows) if self._prices is not None

@@ -48,7 +48,9 @@ there.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +60,13 @@ from specflow.errors import ConfigError, ModelNotFoundError
 from specflow.kv.base import ModelInfo
 from specflow.kv.contiguous import KVCache
 from specflow.kv.tree import TreeLayout
-from specflow.models.feature_head import (
-    FeatureDraftModel,
-    default_feature_head_path,
-    load_feature_head,
-)
+from specflow.models.eagle_export import place_feature_head
+from specflow.models.eagle_head import load_eagle_folder
+from specflow.models.feature_head import default_feature_head_path, load_feature_head
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
 from specflow.models.row_padding import RowProbe, row_probe
-from specflow.protocols import DraftPart, ModelUse
+from specflow.protocols import DraftPart, FeatureHeadRunner, ModelUse
 from specflow.sampling import choose
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
 
@@ -166,14 +166,40 @@ class TreeGain:
         self.trees_seen += 1
 
 
+def feature_head_placer(lm: NativeLM, head: str
+                        ) -> tuple[Callable[[NativeLM], FeatureHeadRunner], str]:
+    """``drafter.head`` -> (a function placing the head beside a placed target, its path).
+
+    ``default``: ``<cache>/heads/<model>/feature_head.safetensors``; a ``.safetensors`` file:
+    the project's own head; a folder (or hub id) with ``config.json``: a published EAGLE-1/2
+    head (``specflow.models.eagle_head``).  Every check (the target, keys, shapes) runs here,
+    before any decoding.
+    """
+    name = lm.info.name
+    path = default_feature_head_path(name) if head in ("default", "auto") else Path(head)
+    if path.expanduser().is_file():
+        own = load_feature_head(path, lm.info)
+        return partial(place_feature_head, own), str(path)
+    if path.expanduser().is_dir() or (head.count("/") == 1 and not path.suffix):
+        eagle = load_eagle_folder(head, lm.info, lm.embed_weight)
+        return eagle.place, eagle.source
+    raise ModelNotFoundError(
+        f"drafter.head={head}: no feature head at {path}; train one with "
+        f"`python -m train_heads.train head=feature model={name}` (see "
+        f"train_heads/README.md), pass a published EAGLE-1/2 head's folder, or pick another "
+        f"drafter (drafter=pld)"
+    )
+
+
 class FeatureDrafter:
     """Draft up to ``k`` tokens per round with a feature head of the target ``model``.
 
     Args:
         model: the target (the same config as the pipeline's ``model``: the drafter reads
             the target verifier's session of it).
-        head: a feature-head file, or ``default`` for
-            ``<cache>/heads/<model>/feature_head.safetensors``.
+        head: a feature-head file, ``default`` for
+            ``<cache>/heads/<model>/feature_head.safetensors``, or the folder (or hub id)
+            of a published EAGLE-1/2 head (``feature_head_placer``).
         k: the most tokens drafted per round (``Drafter.k``, config ``drafter.k``); with
             ``branches > 1``, the tree's depth.
         min_confidence: stop drafting once the head's top probability drops below this.
@@ -211,19 +237,10 @@ class FeatureDrafter:
                 f"drafter=feature needs the native backend (the target's layers and LM head); "
                 f"{self.lm.info.name} runs on another backend: set model.backend=native"
             )
-        name = self.lm.info.name
-        path = default_feature_head_path(name) if head in ("default", "auto") else Path(head)
-        if not path.expanduser().exists():
-            raise ModelNotFoundError(
-                f"drafter.head={head}: no feature head at {path}; train one with "
-                f"`python -m train_heads.train head=feature model={name}` (see "
-                f"train_heads/README.md) or pick another drafter (drafter=pld)"
-            )
-        self.head = load_feature_head(path, self.lm.info)
-        self.head_path = str(path)
+        self.place, self.head_path = feature_head_placer(self.lm, head)
         self.k = k
         self.min_confidence = min_confidence
-        self._draft_models: dict[int, FeatureDraftModel] = {}  # by id(placed target)
+        self._draft_models: dict[int, FeatureHeadRunner] = {}  # by id(placed target)
         self._rows: RequestLocal[HeadRows] = RequestLocal(self._new_rows)
         self.tree_gain = TreeGain()  # trees=measured: what verified trees showed
         self._trees_paid: bool | None = None  # its last decision (logged when it changes)
@@ -239,11 +256,11 @@ class FeatureDrafter:
     def uses(self) -> list[ModelUse]:
         return [ModelUse(self.lm, self.lm.info.num_layers, reads_only=True)]
 
-    def _draft_model(self, state: DecodeState) -> FeatureDraftModel:
+    def _draft_model(self, state: DecodeState) -> FeatureHeadRunner:
         placed = state.session(self.lm).model  # the target as placed for this run
         dm = self._draft_models.get(id(placed))
         if dm is None:
-            dm = self._draft_models[id(placed)] = FeatureDraftModel(self.head, placed)
+            dm = self._draft_models[id(placed)] = self.place(placed)
         return dm
 
     def _new_rows(self, state: DecodeState) -> HeadRows:
@@ -292,7 +309,7 @@ class FeatureDrafter:
                 # error of ``final_features`` names what is missing).
                 upto = verified if verified > rows.true_rows else end
                 rows.drop_predicted()
-                feats.append(sess.final_features(rows.true_rows, upto))
+                feats.append(dm.features(sess.final_features(rows.true_rows, upto)))
                 ids += st.tokens[rows.true_rows + 1 : upto + 1]
                 batch.append((rows.kv, upto - rows.true_rows))
                 firsts.append(i)
@@ -387,7 +404,7 @@ class FeatureDrafter:
                               parents=parents.get(i))
         return drafts
 
-    def _trees_pay(self, dm: FeatureDraftModel, states: list[DecodeState], asked: list[int]
+    def _trees_pay(self, dm: FeatureHeadRunner, states: list[DecodeState], asked: list[int]
                    ) -> bool:
         """Whether this round drafts trees (``trees``, class doc): the verify rows of the
         drafting requests with trees against with chains and the target's row padding."""

@@ -43,8 +43,8 @@ the share ``C_i / (H d_i + C_i)``, so the selector sees each arm's index lowered
     penalty_i = mean_i * C_i / (H * d_i + C_i)        (``BanditStats.penalties``)
 
 A 0.5B arm 1,200 prompt positions behind is then less likely to be tried for one round in
-a request that prompt lookup serves well.  Measured on Spec-Bench with H = 8: no gain
-(``docs/benchmarks.md`` §14.3); off by default.
+a request that prompt lookup serves well.  Measured on Spec-Bench with H = 8 it brought no
+gain, so it is off by default.
 
 Arms that did not draft fall behind: their model sessions miss the tokens committed
 meanwhile.  They catch up lazily, when next chosen, in one block before drafting

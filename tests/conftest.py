@@ -113,10 +113,10 @@ class NoopCallback:
         pass
 
 
-def train_tiny_feature_head(lm, path, steps: int = 80, seed: int = 0):
-    """A feature head for the tiny ``lm``, trained for ``steps`` Adam steps on the model's
-    own greedy answers to random prompts (``train_heads`` data path and loss), saved to
-    ``path``; returns ``(head, training sequences)``."""
+def train_tiny_feature_head(lm, path, steps: int = 80, seed: int = 0, style: str = "specflow"):
+    """A feature head (of ``style``) for the tiny ``lm``, trained for ``steps`` Adam steps on
+    the model's own greedy answers to random prompts (``train_heads`` data path and loss),
+    saved to ``path``; returns ``(head, training sequences)``."""
     from specflow.models.feature_head import FeatureHead, save_feature_head
     from train_heads.feature_data import FeatureSequences
     from train_heads.feature_module import collate, feature_losses
@@ -128,7 +128,7 @@ def train_tiny_feature_head(lm, path, steps: int = 80, seed: int = 0):
     gens = generate_with_hidden(lm, prompts, [], 20, 12, (), progress=False)
     data = FeatureSequences.from_generated(gens, lm.info.num_layers)
     torch.manual_seed(seed)
-    head = FeatureHead.from_target(lm, torch.arange(vocab))
+    head = FeatureHead.from_target(lm, torch.arange(vocab), style=style)
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     batch = collate(data, list(range(data.num_seqs)), skip=0)
     for _ in range(steps):

@@ -1,4 +1,4 @@
-"""Past one machine, exercised here (issue 26): sweeps through submitit's local executor and a
+"""Past one machine, exercised here: sweeps through submitit's local executor and a
 persistent Optuna search, each through the real ``run.py`` on SmolLM2-135M.
 
 - submitit: Hydra's ``submitit_local`` launcher runs the same pickling, job folders, logs and

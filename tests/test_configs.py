@@ -47,8 +47,27 @@ def deep_tiny_feature_head(deep_tiny, tmp_path_factory):
     return save_feature_head(path, head, lm.info)
 
 
+@pytest.fixture(scope="module")
+def deep_tiny_medusa(deep_tiny, tmp_path_factory):
+    """A folder of (untrained) Medusa heads for the deep tiny model, as published."""
+    import json
+
+    import torch
+
+    h, v = deep_tiny[1].info.hidden_size, deep_tiny[1].info.vocab_size
+    folder = tmp_path_factory.mktemp("medusa")
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": 2,
+                                                    "medusa_num_layers": 1}))
+    sd = {}
+    for j in range(2):
+        sd |= {f"{j}.0.linear.weight": torch.zeros(h, h), f"{j}.0.linear.bias": torch.zeros(h),
+               f"{j}.1.weight": torch.zeros(v, h)}
+    torch.save(sd, folder / "medusa_lm_head.pt")
+    return folder
+
+
 @pytest.fixture
-def tiny_models(monkeypatch, deep_tiny, deep_tiny_feature_head):
+def tiny_models(monkeypatch, deep_tiny, deep_tiny_feature_head, deep_tiny_medusa):
     """Every model name resolves to the tiny model (no real weights, no exit heads needed;
     the default feature head is one made for it)."""
     hf, lm = deep_tiny
@@ -57,6 +76,8 @@ def tiny_models(monkeypatch, deep_tiny, deep_tiny_feature_head):
     monkeypatch.setattr("specflow.models.resolve.attach_exit_heads", lambda *a, **k: None)
     monkeypatch.setattr("stages.feature_drafter.default_feature_head_path",
                         lambda name: deep_tiny_feature_head)
+    monkeypatch.setattr("stages.medusa_drafter.default_medusa_path",
+                        lambda name: deep_tiny_medusa)
     return loaded
 
 

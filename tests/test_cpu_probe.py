@@ -1,4 +1,4 @@
-"""Every x86 CPU (issue 22): the CPU probe, packing and dtypes chosen from it, never a crash.
+"""Every x86 CPU: the CPU probe, packing and dtypes chosen from it, never a crash.
 
 The fallback is tested on any machine two ways: by replacing ``specflow.cpu.probe_cpu``
 with an "AVX2-only" or an "AVX-512-BF16" CPU (the decisions), and by running a child

@@ -248,11 +248,10 @@ class _RecordingPolicy:
     def choose(self, state, limit, part=""):
         return limit
 
-    def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="",
-                rows=0, batch_rows=0):
-        if drafted:
-            self.draft_s.append(draft_s)
-            self.catchup_s.append(catchup_s)
+    def observe(self, state, report):
+        if report.drafted:
+            self.draft_s.append(report.draft_s)
+            self.catchup_s.append(report.catchup_s)
 
 
 def test_the_engine_subtracts_catch_up_seconds_of_its_own_clock(tiny_target, tiny_drafter):

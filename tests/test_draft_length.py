@@ -15,7 +15,7 @@ from specflow.kv.stores import KVLayout, KVStores
 from specflow.models.row_padding import RowPrices, RowProbe
 from specflow.protocols import DraftPart, ModelUse
 from specflow.scheduler import Scheduler, SeqRequest, generate
-from specflow.state import DecodeState, Draft, PartStats
+from specflow.state import DecodeState, Draft, PartStats, RoundReport
 from stages.draft_length import (
     AdaptiveDraftLength,
     HeuristicDraftLength,
@@ -41,7 +41,7 @@ def simulate(policy, accept_all: bool, rounds: int = 200, k_max: int = 8,
         k = policy.choose(state, k_max)
         ks.append(k)
         accepted = k if accept_all else 0
-        policy.observe(state, k, accepted, k * t_draft, T1 * (1 + beta * k))
+        policy.observe(state, RoundReport(k, accepted, k * t_draft, T1 * (1 + beta * k)))
     return ks
 
 
@@ -101,13 +101,13 @@ def test_a_new_request_inherits_the_previous_evidence():
     state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
     policy.begin(state)
     assert policy.choose(state, 8) == 0  # the plain round measuring t1 ...
-    policy.observe(state, 0, 0, 0.0, T1)
+    policy.observe(state, RoundReport(0, 0, 0.0, T1))
     assert policy.choose(state, 8) == 0  # ... and the evidence says: don't draft
     fresh = AdaptiveDraftLength(prior_strength=0.0)
     simulate(fresh, accept_all=False, rounds=40)
     fresh.begin(state)
     assert fresh.choose(state, 8) == 0  # each request first measures t1 in a plain round
-    fresh.observe(state, 0, 0, 0.0, T1)
+    fresh.observe(state, RoundReport(0, 0, 0.0, T1))
     assert fresh.choose(state, 8) > 0  # Beta(1, 1): optimistic again
 
 
@@ -133,7 +133,8 @@ def alternate_parts(policy, key_of) -> dict[str, list[int]]:
         k = policy.choose(state, 8, key_of(part))
         chosen[part].append(k)
         accepted = k if part == "first" else 0
-        policy.observe(state, k, accepted, k * 0.001, T1 * (1 + 0.1 * k), part=key_of(part))
+        policy.observe(state, RoundReport(k, accepted, k * 0.001, T1 * (1 + 0.1 * k),
+                                          part=key_of(part)))
     return chosen
 
 
@@ -156,11 +157,11 @@ def test_a_plain_round_measures_t1_for_every_part():
     state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
     policy.begin(state)
     assert policy.choose(state, 4, "first") == 4  # no times yet: draft to measure them
-    policy.observe(state, 4, 4, 0.004, 0.014, part="first")
+    policy.observe(state, RoundReport(4, 4, 0.004, 0.014, part="first"))
     assert policy.choose(state, 4, "then") == 4
-    policy.observe(state, 4, 0, 0.004, 0.014, part="then")
+    policy.observe(state, RoundReport(4, 0, 0.004, 0.014, part="then"))
     assert policy.choose(state, 4, "then") == 0  # one plain round measures t1 ...
-    policy.observe(state, 0, 0, 0.0, T1, part="then")
+    policy.observe(state, RoundReport(0, 0, 0.0, T1, part="then"))
     for part in ("first", "then"):  # ... for both parts: the target's time
         model = policy.cost_model(state, part)
         assert model.t1 == T1 and model.t1_measured
@@ -170,7 +171,7 @@ def test_a_plain_round_measures_t1_for_every_part():
     assert policy.choose(state, 4, "first") == 4  # no second plain round for "first"
     later = AdaptiveDraftLength()
     later.begin(state)
-    later.observe(state, 0, 0, 0.0, T1, part="then")
+    later.observe(state, RoundReport(0, 0, 0.0, T1, part="then"))
     assert later.cost_model(state, "first").t1 == T1  # a part made later takes it too
 
 
@@ -194,11 +195,9 @@ class _PartRecorder:
         self.asked[id(state)] = (part, limit)
         return 0 if part in self.skip else limit
 
-    def observe(
-        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="", rows=0,
-        batch_rows=0,
-    ) -> None:
-        self.rounds[id(state)].append((self.asked.pop(id(state), None), part, drafted))
+    def observe(self, state, report: RoundReport) -> None:
+        self.rounds[id(state)].append(
+            (self.asked.pop(id(state), None), report.part, report.drafted))
 
 
 def test_the_engine_asks_and_tells_the_policy_by_part(tiny_target):
@@ -276,12 +275,9 @@ class _RecordingPolicy:
     def choose(self, state: DecodeState, k_max: int, part: str = "") -> int:
         return k_max
 
-    def observe(
-        self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="", rows=0,
-        batch_rows=0,
-    ) -> None:
-        if drafted:  # rounds that drafted (the last round of a budget may not)
-            self.draft_s.append(draft_s)
+    def observe(self, state, report: RoundReport) -> None:
+        if report.drafted:  # rounds that drafted (the last round of a budget may not)
+            self.draft_s.append(report.draft_s)
 
 
 class _CatchingUpDrafter:
@@ -349,9 +345,9 @@ def test_each_request_measures_t1_in_one_plain_round():
     state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
     policy.begin(state)
     assert policy.choose(state, 4) == 4  # first: measure drafting
-    policy.observe(state, 4, 1, 4 * 0.5 * T1, T1 * (1 + 0.5 * 4))
+    policy.observe(state, RoundReport(4, 1, 4 * 0.5 * T1, T1 * (1 + 0.5 * 4)))
     assert policy.choose(state, 4) == 0  # then: measure t1
-    policy.observe(state, 0, 0, 0.0, T1)
+    policy.observe(state, RoundReport(0, 0, 0.0, T1))
     model = policy.cost_model(state)
     assert model.t1 == T1 and model.t1_measured
     assert policy.choose(state, 4) == 0  # E[tokens|k] / cost < 1 / t1 for every k
@@ -363,8 +359,9 @@ def _policy_after_one_request(catchup_per_position: float) -> AdaptiveDraftLengt
     policy = AdaptiveDraftLength(optimism=0.0, prior_strength=8.0)
     state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=400)
     policy.begin(state)
-    policy.observe(state, 4, 4, 4 * 0.001, T1 * 1.4, catchup_s=100 * catchup_per_position)
-    policy.observe(state, 0, 0, 0.0, T1)  # t1 measured
+    policy.observe(state, RoundReport(4, 4, 4 * 0.001, T1 * 1.4,
+                                      catchup_s=100 * catchup_per_position))
+    policy.observe(state, RoundReport(0, 0, 0.0, T1))  # t1 measured
     return policy
 
 
@@ -380,7 +377,7 @@ def test_a_cold_drafter_drafts_only_when_its_catch_up_pays_back(per_position, ma
     policy = _policy_after_one_request(per_position)
     state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=100 + max_new + 1)
     policy.begin(state)
-    policy.observe(state, 0, 0, 0.0, T1)  # this request's t1 probe
+    policy.observe(state, RoundReport(0, 0, 0.0, T1))  # this request's t1 probe
     assert policy.choose(state, 4) == expected
 
 
@@ -391,12 +388,12 @@ def test_re_probes_are_skipped_while_the_catch_up_is_too_expensive():
         policy = AdaptiveDraftLength(probe_every=4)
         state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=200)
         policy.begin(state)
-        policy.observe(state, 4, 0, 4 * T1, T1 * 1.4, catchup_s=100 * per_position)
+        policy.observe(state, RoundReport(4, 0, 4 * T1, T1 * 1.4, catchup_s=100 * per_position))
         ks = []
         for _ in range(30):
             k = policy.choose(state, 4)
             ks.append(k)
-            policy.observe(state, k, 0, T1 * k, T1 * (1 + 0.1 * k))
+            policy.observe(state, RoundReport(k, 0, T1 * k, T1 * (1 + 0.1 * k)))
             state.tokens.append(0)
         # behind by >= 4 positions since the last draft: 2e-2 s/position * 4 = 0.08 s > 5 %
         # of the remaining <= 95 tokens * 10 ms; 1e-5 s/position is always cheap enough
@@ -411,13 +408,15 @@ def test_beta_is_refit_against_the_latest_t1():
     state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
     policy.begin(state)
     model = policy.cost_model(state)
-    policy.observe(state, 4, 1, 4 * 0.05 * T1, T1 * 1.4)  # t1 still derived: beta unchanged
+    # t1 still derived: beta unchanged
+    policy.observe(state, RoundReport(4, 1, 4 * 0.05 * T1, T1 * 1.4))
     assert model.beta == pytest.approx(0.1) and not model.t1_measured
-    policy.observe(state, 0, 0, 0.0, T1)  # t1 = T1: beta = (1.4 / 1 - 1) / 4
+    policy.observe(state, RoundReport(0, 0, 0.0, T1))  # t1 = T1: beta = (1.4 / 1 - 1) / 4
     assert model.beta == pytest.approx(0.1)
-    policy.observe(state, 2, 1, 2 * 0.05 * T1, 1.5 * T1)  # the context grew: every pass slower
+    # the context grew: every pass slower
+    policy.observe(state, RoundReport(2, 1, 2 * 0.05 * T1, 1.5 * T1))
     assert model.beta == pytest.approx(0.25)  # against the old t1: (1.5 - 1) / 2
-    policy.observe(state, 0, 0, 0.0, 1.5 * T1)  # a plain round at the new context
+    policy.observe(state, RoundReport(0, 0, 0.0, 1.5 * T1))  # a plain round at the new context
     assert model.beta == 0.0  # (1.5 / 1.5 - 1) / 2: no marginal cost after all
 
 
@@ -427,13 +426,13 @@ def _rounds_until_it_drafts_again(idle_discount: float, limit: int = 60) -> int 
     policy = AdaptiveDraftLength(probe_every=10**6, idle_discount=idle_discount, ema=1.0)
     state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
     policy.begin(state)
-    policy.observe(state, 0, 0, 0.0, T1)  # t1 measured
+    policy.observe(state, RoundReport(0, 0, 0.0, T1))  # t1 measured
     for _ in range(10):
-        policy.observe(state, 1, 0, 0.3 * T1, T1)  # rejected; beta = 0, a 0.3 t1 draft
+        policy.observe(state, RoundReport(1, 0, 0.3 * T1, T1))  # rejected; beta = 0, a 0.3 t1 draft
     for r in range(limit):
         if policy.choose(state, 2) > 0:
             return r
-        policy.observe(state, 0, 0, 0.0, T1)
+        policy.observe(state, RoundReport(0, 0, 0.0, T1))
     return None
 
 
@@ -458,7 +457,7 @@ def _first_token_only(policy, rounds: int = 120) -> list[int]:
     for _ in range(rounds):
         k = policy.choose(state, 4)
         ks.append(k)
-        policy.observe(state, k, min(k, 1), k * 0.1 * T1, T1 * (1 + 0.1 * k))
+        policy.observe(state, RoundReport(k, min(k, 1), k * 0.1 * T1, T1 * (1 + 0.1 * k)))
     return ks
 
 
@@ -511,8 +510,8 @@ def _priced_rounds(policy, rounds: int, alpha_all: bool = True, width: int = 1,
         k = policy.choose(state, 8)
         ks.append(k)
         own = 1 + width * k
-        policy.observe(state, k, k if alpha_all else 0, k * 0.001,
-                       T1 * FLAT_TO_6(own + others), rows=own, batch_rows=own + others)
+        policy.observe(state, RoundReport(k, k if alpha_all else 0, k * 0.001,
+                       T1 * FLAT_TO_6(own + others), rows=own, batch_rows=own + others))
     return ks
 
 
@@ -549,7 +548,8 @@ def test_priced_rows_count_a_trees_nodes_and_the_rest_of_the_batch():
     batch.begin(state)
     assert batch.choose(state, 8) == 1  # a new request inherits the batch's other rows
     assert batch.cost_model(state, "then").others == 4.0  # and so does a new part
-    batch.observe(state, 3, 3, 0.003, T1 * 2.0, rows=4, batch_rows=8)  # 8 rows: 2 steps
+    # 8 rows: 2 steps
+    batch.observe(state, RoundReport(3, 3, 0.003, T1 * 2.0, rows=4, batch_rows=8))
     assert batch.cost_model(state).t1 == pytest.approx(T1)
 
 
@@ -634,6 +634,5 @@ class _RowsRecorder:
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         return limit
 
-    def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0, part="",
-                rows=0, batch_rows=0) -> None:
-        self.rows[id(state)].append((rows, batch_rows, drafted))
+    def observe(self, state, report: RoundReport) -> None:
+        self.rows[id(state)].append((report.rows, report.batch_rows, report.drafted))

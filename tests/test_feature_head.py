@@ -169,8 +169,7 @@ def test_drafter_sitting_out_rounds_reads_the_features_later(qwen, trained):
             state.locals[self] = n = state.locals[self] + 1
             return k_max if n % 2 else 0
 
-        def observe(self, state, drafted, accepted, draft_s, verify_s, catchup_s=0.0,
-                    part="", rows=0, batch_rows=0):
+        def observe(self, state, report):
             pass
 
     pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),

@@ -27,9 +27,9 @@ from stages.pld_drafter import PLDDrafter
 from tests.conftest import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-STORED_RUNS = sorted(p.parent for p in ROOT.glob("docs/data/**/summary.json"))
+STORED_RUNS = sorted(p.parent for p in ROOT.glob("docs/records/runs/*/summary.json"))
 
-# The keys as the runner wrote them before the schema was typed (issue #25).
+# The keys as the runner wrote them before the schema was typed.
 RECORD_KEYS = ["request_id", "category", "subcategory", "output_text", "turns", "metrics",
                "task", "baseline_task"]
 TURN_KEYS = ["prompt_tokens", "output_text", "output_tokens", "new_tokens", "total_s",
@@ -153,7 +153,7 @@ def test_every_metric_name_comes_from_a_written_key(written):
 
 
 def test_stored_run_folders_are_found():
-    assert len(STORED_RUNS) >= 10, "docs/data holds the run folders of issue #15"
+    assert len(STORED_RUNS) >= 10, "docs/records/runs holds the stored FLy accuracy run folders"
 
 
 @pytest.mark.parametrize("run", STORED_RUNS, ids=lambda p: str(p.relative_to(ROOT / "docs")))
@@ -196,7 +196,7 @@ OLD_SUMMARY = ("accepted_by_level", "tree_rounds", "parts", "task_ci95", "baseli
 
 def test_old_format_files_still_read_and_resume(tmp_path):
     """Records and a summary as the first version wrote them (before the keys above)."""
-    run = ROOT / "docs/data/issue15/gsm8k/fly_self_theta0.3"
+    run = ROOT / "docs/records/runs/fly-gsm8k20-qwen0.5b-fly-theta0.3"
     old = []
     for data in _lines(run / "requests.jsonl")[:3]:
         for key in OLD_METRICS:

@@ -26,6 +26,7 @@ from tests.test_configs import (  # noqa: F401 - fixtures
     _compose,
     deep_tiny,
     deep_tiny_feature_head,
+    deep_tiny_medusa,
     tiny_models,
 )
 

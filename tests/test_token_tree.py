@@ -252,26 +252,38 @@ def test_tree_size_follows_the_price_of_rows(target):
 
 def test_sampled_requests_draft_chains_and_follow_the_target_law(target):
     """Two sampled tokens at batch 3 (paged) with rejection sampling: every draft is a
-    chain (q one-hot), the joint law of the output is the target's (chi-square), and each
-    request draws what it draws at batch 1 for its seed."""
+    chain (q one-hot), the joint law of the output is the target's (chi-square), and the
+    run is reproducible: a fresh drafter on the same seeded requests draws the same tokens
+    for every request (the tables learn across requests, so a request's draft depends on
+    the ones before it, not on timing).  Rows are priced by a fixed probe (a timed one
+    would make the chains' length, and so the draws, depend on the machine's noise)."""
     _, lm = target
     sampling = SamplingParams(temperature=1.0, top_k=3)
-    draft = tree_drafter(lm)
-    propose = draft.propose
-
-    def chains_only(states, asked):
-        drafts = propose(states, asked)
-        assert all(d.parents is None and d.probs is None for d in drafts)
-        return drafts
-
-    draft.propose = chains_only
-    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
     prompt = [1, 5, 9]
     law = two_token_law(lm, prompt, sampling)
     trials = 900
-    sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=16)
     reqs = [SeqRequest(prompt, 2, seed=s, stop_token_ids=()) for s in range(trials)]
-    results = sched.generate(reqs, sampling)
+
+    def run():
+        draft = tree_drafter(lm)
+        propose = draft.propose
+
+        def chains_only(states, asked):
+            drafts = propose(states, asked)
+            assert all(d.parents is None and d.probs is None for d in drafts)
+            return drafts
+
+        draft.propose = chains_only
+        pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
+        sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=16)
+        return sched.generate(reqs, sampling)
+
+    saved = lm.row_probe, lm.min_rows
+    try:
+        lm.row_probe, lm.min_rows = RowProbe({r: 1.0 + 0.1 * (r - 1) for r in range(1, 7)}, 1), 1
+        results, again = run(), run()
+    finally:
+        lm.row_probe, lm.min_rows = saved
     counts = dict.fromkeys(law, 0)
     for r in results:
         counts[tuple(r.generation.tokens)] += 1
@@ -281,8 +293,7 @@ def test_sampled_requests_draft_chains_and_follow_the_target_law(target):
     pvalue = chisquare([counts[c] for c in cells], expected).pvalue
     assert pvalue > 1e-3, (pvalue, counts)
     assert sum(r.generation.stats.drafted for r in results) > 0
-    one = generate(pipe, prompt, 2, sampling, seed=7, stop_token_ids=()).tokens
-    assert next(r for r in results if r.request.seed == 7).generation.tokens == one
+    assert [r.generation.tokens for r in again] == [r.generation.tokens for r in results]
 
 
 def test_observe_recycles_every_verified_row_and_calibrates(target):
@@ -314,20 +325,3 @@ def test_a_drafter_without_sources_is_refused():
         TokenTreeDrafter(None)
     with pytest.raises(ConfigError, match="drafter.branches must be >= 1"):
         TokenTreeDrafter(None, branches=0, recycling=RecyclingTable())
-
-
-def test_the_readme_lists_every_member_of_the_drafter_protocol():
-    """"Adding a stage" names each member the ``Drafter`` protocol declares."""
-    import ast
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    tree = ast.parse((root / "specflow/protocols.py").read_text())
-    (drafter,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Drafter"]
-    members = {n.target.id for n in drafter.body if isinstance(n, ast.AnnAssign)} | {
-        n.name for n in drafter.body if isinstance(n, ast.FunctionDef)}
-    assert {"name", "k", "branches", "next_part", "propose"} <= members
-    section = (root / "README.md").read_text().split("### Adding a stage", 1)[1]
-    listed = set(re.findall(r"`(\w+)", section.split("\n2. ", 1)[0]))
-    assert members <= listed, members - listed

@@ -40,8 +40,8 @@ from specflow.errors import ConfigError
 from specflow.kv.base import LayeredLM
 from specflow.kv.contiguous import layer_caches
 from train_heads.feature_data import FeatureSequences
-from train_heads.feature_job import check_disjoint
 from train_heads.generate import Generated
+from train_heads.job_setup import check_disjoint
 from train_heads.prompts import Prompt, specbench_split
 
 log = logging.getLogger("train_heads")

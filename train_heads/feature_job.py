@@ -15,7 +15,9 @@ Phases (each timed into ``report.md`` / ``metrics.json``):
 4. fit with Lightning (``FeatureHeadDistiller``);
 5. evaluate again, save ``feature_head.safetensors`` (+ ``.json``) to the run dir and, with
    ``output.install``, to ``<cache>/heads/<model>/feature_head.safetensors``, where
-   ``drafter=feature`` finds it.
+   ``drafter=feature`` finds it; with ``output.format=eagle`` (a ``head.style=eagle`` head:
+   EAGLE-1/2's math over the whole vocabulary) also as an EAGLE-1/2 folder ``eagle/``
+   (``specflow.models.eagle_export``), installed beside it.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from specflow.errors import ConfigError
 from specflow.kv.contiguous import KVCache
+from specflow.models.eagle_export import place_feature_head, save_eagle_folder
 from specflow.models.feature_head import (
-    FeatureDraftModel,
     FeatureHead,
     default_feature_head_path,
     load_feature_head,
@@ -46,10 +48,11 @@ from train_heads.feature_data import (
     draft_vocabulary,
     generate_chunked,
 )
+from train_heads.job_setup import check_disjoint, make_logger, trainer_args
 from train_heads.local_prompts import local_prompts
 from train_heads.magpie import self_written
 from train_heads.prompt_files import file_prompts, read_prompt_file
-from train_heads.prompts import Prompt, chat_ids, shared_prefix, specbench_split
+from train_heads.prompts import chat_ids, shared_prefix, specbench_split
 
 log = logging.getLogger("train_heads")
 DATA_VERSION = 1
@@ -105,13 +108,6 @@ def feature_data_key(model: str, weights_fingerprint: str, dtype: str,
                      "data": {k: v for k, v in data.items() if k not in KEY_EXCLUDED}})
 
 
-def check_disjoint(train: list[Prompt], held: list[Prompt]) -> None:
-    """``ConfigError`` if a Spec-Bench question to train on is also held out."""
-    both = sorted({p.prompt_id for p in train} & {p.prompt_id for p in held})
-    if both:
-        raise ConfigError(f"Spec-Bench questions {both} are both trained on and held out")
-
-
 def held_out_uncut(tok: Any, data: Any) -> list[list[int]]:
     """The held-out Spec-Bench questions' first turns, uncut, in the chat template: what the
     self-written prompts must not overlap (benchmarks run the whole question)."""
@@ -156,11 +152,12 @@ def evaluate_head(head: FeatureHead, lm: Any, data: FeatureSequences, skip: int,
     for i in range(data.num_seqs):
         b = collate(data, [i], skip)
         emb = F.embedding(b.next_tokens, lm.embed_weight).float()
-        pred = head.float()(b.feats, emb, b.key_valid)[0][0]  # [T, H]
+        g = lm.final_norm.float()
+        pred = head.float()(head.features(b.feats, g, lm.eps), emb, b.key_valid)[0][0]  # [T, H]
         m = b.generated[0] & b.loss_mask[0]
         if not m.any():
             continue
-        xs = F.rms_norm(pred[m], (h,), lm.final_norm.float(), lm.eps)
+        xs = head.lm_input(pred[m], g, lm.eps)
         xt = F.rms_norm(b.target_feats[0][m], (h,), lm.final_norm.float(), lm.eps)
         ls = F.log_softmax(xs @ lm.lm_head.float().t(), -1)  # [R, V]
         lt = F.log_softmax(xt @ lm.lm_head.float().t(), -1)
@@ -175,9 +172,10 @@ def evaluate_head(head: FeatureHead, lm: Any, data: FeatureSequences, skip: int,
 @torch.inference_mode()
 def simulate_tau(head: FeatureHead, lm: Any, data: FeatureSequences, k: int) -> dict[str, Any]:
     """Greedy speculative decoding replayed along each held-out answer (the target's greedy
-    tokens are the answer itself): rounds of ``k`` drafts from ``FeatureDraftModel`` (the
-    inference path), accepted up to the first mismatch, plus the bonus token."""
-    dm = FeatureDraftModel(head, lm)
+    tokens are the answer itself): rounds of ``k`` drafts from the placed head (the
+    inference path: ``place_feature_head``), accepted up to the first mismatch, plus the
+    bonus token."""
+    dm = place_feature_head(head, lm)
     rounds = accepted = 0
     hits = [0] * k
     for i in range(data.num_seqs):
@@ -187,7 +185,8 @@ def simulate_tau(head: FeatureHead, lm: Any, data: FeatureSequences, k: int) -> 
         n = plen
         while n < len(tok):
             start, end = kv.length, n - 1
-            out = dm.step(feats[start:end].to(lm.dtype), torch.tensor(tok[start + 1 : end + 1]),
+            out = dm.step(dm.features(feats[start:end].to(lm.dtype)),
+                          torch.tensor(tok[start + 1 : end + 1]),
                           [(kv, end - start)])
             pred = out[-1:]
             a = 0
@@ -237,10 +236,16 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
     from train_heads.feature_module import FeatureDataModule, FeatureHeadDistiller
-    from train_heads.train import make_logger, trainer_args
 
     lm, info, tok = loaded.lm, loaded.info, loaded.tokenizer
     hc = cfg.head
+    style = str(hc.get("style") or "specflow")
+    fmt = str(cfg.output.get("format") or "specflow")
+    if fmt not in ("specflow", "eagle"):
+        raise ConfigError(f"output.format must be specflow or eagle, got {fmt!r}")
+    if fmt == "eagle" and style != "eagle":
+        raise ConfigError("output.format=eagle writes EAGLE-1/2's layout, which only a head "
+                          "of EAGLE's math can fill; fix: add head.style=eagle")
     times: dict[str, float] = {}
     # ---------------------------------------------------------------- 1. data
     t0 = time.perf_counter()
@@ -325,7 +330,9 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
              val.num_positions, {**t_train, **t_val, **t_sb, **t_drawn, **t_magpie, **t_files})
     # ---------------------------------------------------------------- 2. vocabulary
     # (of the combined training set; with init_from, the saved head's is kept)
-    vocab_ids, vocab_info = draft_vocabulary(train, int(hc.vocab_size), info.vocab_size,
+    # (EAGLE-1/2's layout has no draft vocabulary: style eagle drafts over all tokens)
+    vocab_size = info.vocab_size if style == "eagle" else int(hc.vocab_size)
+    vocab_ids, vocab_info = draft_vocabulary(train, vocab_size, info.vocab_size,
                                              info.eos_token_ids)
     torch.manual_seed(int(cfg.seed))
     if hc.get("init_from"):  # continue training a saved head (more epochs on cached data)
@@ -334,7 +341,7 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
         vocab_info = {**vocab_info, "draft_vocab_size": int(vocab_ids.numel()),
                       "init_from": str(hc.init_from)}
     else:
-        head = FeatureHead.from_target(lm, vocab_ids)
+        head = FeatureHead.from_target(lm, vocab_ids, style=style)
     # ---------------------------------------------------------------- 3. before
     t0 = time.perf_counter()
     before = evaluate_head(head, lm, val, skip, int(cfg.eval_k))
@@ -413,12 +420,17 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
                                      "heldout_prompt_ids", "train_specbench_ids", "train_steps")}
     path = save_feature_head(out_dir / "feature_head.safetensors", head, info, extra=extra)
     result["head_path"] = str(path)
+    if fmt == "eagle":  # the same head as an EAGLE-1/2 folder (config.json + safetensors)
+        result["eagle_path"] = str(save_eagle_folder(out_dir / "eagle", head, info))
     if cfg.output.install:
         dest = Path(cfg.output.install_path or default_feature_head_path(info.name))
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, dest)
         shutil.copyfile(path.with_suffix(".json"), dest.with_suffix(".json"))
         result["installed_path"] = str(dest)
+        if fmt == "eagle":
+            shutil.copytree(out_dir / "eagle", dest.with_name("eagle"), dirs_exist_ok=True)
+            result["installed_eagle_path"] = str(dest.with_name("eagle"))
     (out_dir / "metrics.json").write_text(json.dumps(result, indent=2, default=str))
     table = (
         f"| head | agreement | KL (nats) | τ at k={cfg.eval_k} | accept by step |\n"

@@ -12,6 +12,9 @@ training rows; row ``p``:
 
     loss = reg_weight * SmoothL1(x^_{p+1}, x_{p+1}) + kl_weight * KL(p || q)
 
+(``x^ = RMSNorm_g(f^)``; a head of style ``eagle`` reads ``RMSNorm_g(f_p)`` and predicts
+``x^`` itself: ``FeatureHead.features`` / ``lm_input``.)
+
 averaged over rows past the shared chat-template prefix, and over ``depth`` drafting steps:
 step ``s > 1`` feeds the head its own predictions as drafting does (``FeatureHead.forward``).
 ``feature_noise`` adds uniform noise of that relative size to the input features (EAGLE's
@@ -131,7 +134,7 @@ def feature_losses(head: FeatureHead, batch: FeatureBatch, embed: torch.Tensor,
         scale = feats.pow(2).mean(-1, keepdim=True).sqrt()
         feats = feats + (torch.rand_like(feats) * 2 - 1) * feature_noise * scale
     emb = F.embedding(batch.next_tokens, embed).float()
-    preds = head(feats, emb, batch.key_valid, depth)  # depth x [B, T, H]
+    preds = head(head.features(feats, final_norm, eps), emb, batch.key_valid, depth)
     h = feats.shape[-1]
     # the teacher in float32 even under bf16-mixed training (its targets stay exact)
     with torch.no_grad(), torch.autocast(feats.device.type, enabled=False):
@@ -144,7 +147,7 @@ def feature_losses(head: FeatureHead, batch: FeatureBatch, embed: torch.Tensor,
     for step, pred in enumerate(preds, start=1):
         m = batch.loss_mask & (pos >= step - 1)
         denom = m.sum().clamp(min=1)
-        xs = F.rms_norm(pred, (h,), final_norm, eps)
+        xs = head.lm_input(pred, final_norm, eps)  # what the LM head multiplies
         reg = (F.smooth_l1_loss(xs, xt, reduction="none").mean(-1) * m).sum() / denom
         student = F.log_softmax(xs @ sub_weight.t(), dim=-1)  # [B, T, S]
         kl = ((teacher_p * (teacher - student)).sum(-1) * m).sum() / denom

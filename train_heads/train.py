@@ -79,6 +79,7 @@ from train_heads.exit_data import (  # noqa: E402
     train_chunk_names,
     trained_specbench_ids,
 )
+from train_heads.job_setup import make_logger, trainer_args  # noqa: E402
 from train_heads.prompts import Prompt, random_prompts, shared_prefix, specbench_prompts  # noqa: E402,E501
 
 log = logging.getLogger("train_heads")
@@ -237,53 +238,6 @@ def cut_table(cut: dict[int, ExitMetrics], num_layers: int, k: int) -> str:
     return "Without the adapter (final norm + LM head at the exit): " + "; ".join(
         f"exit {layer}: agree {m.agree:.1%}, KL {m.kl:.3f}, τ@k={k} {m.tau:.2f}"
         for layer, m in sorted(cut.items()))
-
-
-def resolve_precision(precision: Any, accelerator: str) -> Any:
-    """``trainer.precision``; ``auto`` becomes ``bf16-mixed`` where bf16 matrix products run
-    in hardware (a CUDA GPU that supports bf16, or a CPU that ``probe_cpu`` finds with native
-    bf16: AVX-512-BF16 or AMX), else ``32-true``.  The weights and the saved head stay
-    float32 either way; ``bf16-mixed`` autocasts the products (measured on an AVX-512-BF16
-    AMD EPYC: a feature-head step of 512 rows 3.0 s against 6.2 s in float32)."""
-    if precision != "auto":
-        return precision
-    cuda = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-    if cuda:
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
-    from specflow.cpu import probe_cpu
-
-    return "bf16-mixed" if probe_cpu().native_bf16 else "32-true"
-
-
-def trainer_args(cfg: DictConfig) -> dict[str, Any]:
-    """``cfg.trainer`` as ``lightning.Trainer`` arguments (``precision=auto`` resolved)."""
-    args = OmegaConf.to_container(cfg, resolve=True)
-    args["precision"] = resolve_precision(args.get("precision", "32-true"),
-                                          str(args.get("accelerator", "auto")))
-    return args
-
-
-def make_logger(cfg: DictConfig, out_dir: Path):
-    """The Lightning logger named by ``logger.kind``: csv, wandb (offline by default), none."""
-    kind = cfg.kind
-    if kind == "none":
-        return False
-    if kind == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
-        return CSVLogger(save_dir=str(out_dir), name=cfg.get("name") or "csv")
-    if kind == "wandb":
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "logger=wandb needs the wandb package (pip install wandb); or use logger=csv"
-            ) from None
-        from lightning.pytorch.loggers import WandbLogger
-
-        return WandbLogger(project=cfg.project, name=cfg.get("name"), save_dir=str(out_dir),
-                           offline=bool(cfg.offline))
-    raise ConfigError(f"logger.kind={kind!r} is unknown; use csv, wandb or none")
 
 
 def _peak_rss_gb() -> float:

@@ -2,10 +2,9 @@
 
 A decoding step multiplies every weight matrix by one row; a verification pass by k + 1.
 On some CPUs oneDNN's packed fp32 kernels stream the weights markedly slower for one or two
-rows than for four or five: on the 2-vCPU AVX-512 `AMD EPYC` of ``docs/benchmarks.md``
-§16.3, a Qwen2.5-1.5B layer's four matmuls took 9.3 ms at 1 row, 10.4 at 2 and 7.1 at 5 (the
-weights read from memory, as in a forward pass).  There a plain step is faster padded to 5
-rows than run on 1.  Elsewhere (another ISA, another oneDNN) it may not be, so the row count
+rows than for four or five: on the 2-vCPU KVM `AMD EPYC` (torch ISA AVX512) of
+``docs/performance.md`` ("How a round's cost is made") the probe pads the Qwen2.5-1.5B's
+steps to 5 rows, which ran faster than one.  Elsewhere (another ISA, another oneDNN) it may not be, so the row count
 is never assumed: ``model.min_rows`` gives it, or ``null`` probes it once per model and
 process on the model's own packed matrices (``probe_min_rows``), and keeps 1 unless a row
 count is faster by more than ``MARGIN``.

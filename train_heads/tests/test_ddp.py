@@ -1,4 +1,4 @@
-"""Head training on 2 CPU processes (DDP over gloo) through the real command (issue 26).
+"""Head training on 2 CPU processes (DDP over gloo) through the real command.
 
 ``python -m train_heads.train trainer=ddp_cpu`` on SmolLM2-135M with random prompts: Lightning
 starts a second process (rank 1), both train, rank 0 alone writes heads, checkpoints and

@@ -80,3 +80,39 @@ def test_feature_job_end_to_end(tmp_path):
     assert 0 < res3["train_rows"] < data["train_positions"]  # the shared prefix left out
     assert sorted(res3["after"]) == ["15", "3"] and res3["train_steps"] > 0
     assert len(res3["eval_prompt_ids"]) == 3  # the feature data's held-out questions
+
+
+def test_feature_job_exports_an_eagle_folder(tmp_path):
+    """``head.style=eagle output.format=eagle``: the job also writes and installs the head as
+    an EAGLE-1/2 folder, which the drafter loads through the published-head path and drafts
+    with exactly as from the project's own file; without the style the format is refused
+    before any data is built."""
+    import json
+
+    from specflow.errors import ConfigError
+    from specflow.kv.stores import KVStores
+    from specflow.models.loading import load_model
+    from specflow.state import DecodeState
+    from train_heads.train import run
+
+    loaded = load_model("smollm2-135m", dtype="float32", backend="auto",
+                        trust_remote_code=False, packed_weights=None)
+    with pytest.raises(ConfigError, match="fix: add head.style=eagle"):
+        run(_compose(tmp_path, "output.format=eagle"), loaded)
+    assert not (tmp_path / "cache").exists()
+    res = run(_compose(tmp_path, "head.style=eagle", "output.format=eagle"), loaded)
+    folder = Path(res["installed_eagle_path"])
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == loaded.info.vocab_size
+    assert res["vocab"]["draft_vocab_size"] == loaded.info.vocab_size
+    lm = loaded.lm
+    prompt = loaded.tokenizer.encode("def fibonacci(n):")
+    drafts = []
+    for head in (res["installed_path"], str(folder)):
+        st = DecodeState(tokens=list(prompt), prompt_len=len(prompt), max_len=64,
+                         kv=KVStores())
+        drafter = FeatureDrafter(lm, head=head, k=4)
+        FullVerifier(lm).begin([st])
+        drafter.begin([st])
+        drafts.append(drafter.propose([st], [4])[0].tokens)
+    assert drafts[0] == drafts[1] and len(drafts[0]) == 4

@@ -21,7 +21,8 @@ from specflow.models.native import NativeLM  # noqa: E402
 from specflow.models.tiny import tiny_hf_model, tiny_model_info  # noqa: E402
 from specflow.workload import DATA_DIR  # noqa: E402
 from train_heads.feature_data import FeatureSequences  # noqa: E402
-from train_heads.feature_job import check_disjoint, feature_data_key  # noqa: E402
+from train_heads.feature_job import feature_data_key
+from train_heads.job_setup import check_disjoint  # noqa: E402
 from train_heads.prompts import specbench_prompts, specbench_split  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -96,7 +96,7 @@ def test_specbench_samples_add_drawn_answers_in_their_own_chunks(tmp_path: Path)
 
 def test_precision_auto_follows_the_cpus_bf16(monkeypatch):
     import specflow.cpu as cpu
-    from train_heads.train import resolve_precision
+    from train_heads.job_setup import resolve_precision
 
     assert resolve_precision("32-true", "cpu") == "32-true"
     assert resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"

@@ -307,7 +307,7 @@ def test_the_job_gives_the_model_its_heads_back_through_set_exit_heads(tmp_path)
 
 
 def test_unknown_logger_and_missing_wandb_are_clear(tmp_path):
-    from train_heads.train import make_logger
+    from train_heads.job_setup import make_logger
 
     cfg = _compose(tmp_path, "logger=wandb")
     try:

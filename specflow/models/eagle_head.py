@@ -1,0 +1,268 @@
+"""Published EAGLE heads (``SafeAILab/EAGLE``) as feature drafters of a placed target.
+
+**EAGLE-1/2** (``eagle/model/cnets1.py``; a folder with a Llama ``config.json`` of
+``num_hidden_layers: 1`` and ``model.safetensors`` or ``pytorch_model.bin``).  The features
+are the target's *normed* last hidden states ``a_p = RMSNorm_g(h_N,p)`` (what the target's
+LM head multiplies), and at position ``p``:
+
+    x_p       = W_fc [ e(t_{p+1}) ; a_p ] + b_fc                     [H]   (e: target embedding)
+    y_p       = x_p + W_o Attn(RoPE(W_q x), RoPE(W_k x), W_v x)_p     [H]   (no input norm)
+    a^_{p+1}  = y_p + W_down( silu(W_gate n(y_p)) * W_up n(y_p) )    [H]   (n: post-attention
+                                                                              RMSNorm)
+    q(t_{p+2}) = softmax( W a^_{p+1} )                                      (target LM head,
+                                                                              no norm)
+
+Drafting feeds ``a^`` back as the next row's feature (the head's output lives in the space
+of the normed features).  Keys: ``fc.weight [H, 2H]``, ``fc.bias [H]`` (absent when the
+config says ``"bias": false``), ``layers.0.self_attn.{q,k,v,o}_proj.weight`` (q/k/v biases
+where the file holds them), ``layers.0.mlp.{gate,up,down}_proj.weight``,
+``layers.0.post_attention_layernorm.weight``; ``embed_tokens.weight`` where published is
+compared with the target's (the head's fingerprint of its target) and otherwise unused.
+
+**EAGLE-3** (``eagle/model/cnets.py``): read and checked (``fc.weight [H, 3 H_t]``, the
+``midlayer.*`` keys, ``norm.weight``, ``lm_head.weight [V_d, H]``, ``d2t``, ``t2d``), then
+refused: its ``fc`` reads the target's hidden states before layers 2, L//2 and L-3, which a
+session does not keep (it keeps ``h_N``).
+
+The target check (``check_target``): the config's ``hidden_size``, ``vocab_size`` and
+attention shape must be the target's, a published ``embed_tokens.weight`` must equal the
+target's embedding, and a head exported here carries the target's weights fingerprint
+(config key ``specflow_target``) which must match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specflow.errors import ConfigError
+from specflow.kv.base import KVSpec, LayerBatch, ModelInfo
+from specflow.models.checkpoint_files import Checkpoint, detect_format, read_checkpoint
+from specflow.models.decoder_params import place_matrix, place_vector, rope_tables
+from specflow.models.native import NativeLM, linear, packing_available
+
+TARGET_KEY = "specflow_target"  # config.json: {"name", "weights_fingerprint"} of an export
+_FIX_REFETCH = "fetch the checkpoint folder again, as published (config.json + weights)"
+
+
+@dataclass(frozen=True)
+class EagleHead:
+    """An EAGLE-1/2 head's weights (float32, CPU), as published; shapes in the module doc.
+
+    ``wq [NH*D, H]``, ``wk``/``wv [KH*D, H]`` (``bq``/``bk``/``bv`` or ``None``),
+    ``wo [H, NH*D]``, ``ln2 [H]``, ``gate``/``up [I, H]``, ``down [H, I]``,
+    ``fc_w [H, 2H]``, ``fc_b [H]`` or ``None``.
+    """
+
+    source: str
+    fc_w: torch.Tensor
+    fc_b: torch.Tensor | None
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    ln2: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    rope_theta: float
+
+    def place(self, target: NativeLM) -> EagleDraftModel:
+        """The head ready to draft beside the placed ``target``."""
+        return EagleDraftModel(self, target)
+
+
+def check_target(ckpt: Checkpoint, info: ModelInfo, embed: torch.Tensor | None,
+                 fix: str) -> None:
+    """``ConfigError`` unless the checkpoint was made for the target ``info`` (module doc):
+    its config's sizes, its published embedding (``embed [V, H]``, the target's) and an
+    exported head's weights fingerprint."""
+    other = (f"the head was made for another target model than {info.name!r}; fix: use the "
+             f"head published for {info.name!r}, or {fix}")
+    for key, have in (("hidden_size", info.hidden_size), ("vocab_size", info.vocab_size)):
+        want = ckpt.config.get(key)
+        if want is not None and int(want) != have:
+            raise ConfigError(f"{ckpt.folder / 'config.json'}: key {key!r} is {want} but "
+                              f"the target's is {have}: {other}")
+    mark = ckpt.config.get(TARGET_KEY)
+    if isinstance(mark, dict) and mark.get("weights_fingerprint") != info.weights_fingerprint:
+        raise ConfigError(
+            f"{ckpt.folder / 'config.json'}: key {TARGET_KEY!r} names weights "
+            f"{mark.get('weights_fingerprint')!r} of {mark.get('name')!r}, but the target's "
+            f"are {info.weights_fingerprint!r}: {other}")
+    published = ckpt.tensors.get("embed_tokens.weight")
+    if published is not None and embed is not None:
+        same = tuple(published.shape) == tuple(embed.shape) and torch.allclose(
+            published.float(), embed.detach().float().cpu(), rtol=1e-2, atol=1e-3)
+        if not same:
+            raise ConfigError(f"{ckpt.weights_file}: key 'embed_tokens.weight' is not the "
+                              f"target's embedding: {other}")
+
+
+def eagle_head_from(ckpt: Checkpoint, info: ModelInfo, embed: torch.Tensor | None = None
+                    ) -> EagleHead:
+    """The EAGLE-1/2 head in ``ckpt``, checked against the target ``info`` (and its
+    embedding ``embed [V, H]`` when given)."""
+    train = (f"train a feature head for it (python -m train_heads.train head=feature "
+             f"model={info.name}) and use drafter=feature")
+    check_target(ckpt, info, embed, train)
+    c = ckpt.config
+    h = info.hidden_size
+    nh = int(ckpt.setting("num_attention_heads", _FIX_REFETCH))
+    kh = int(c.get("num_key_value_heads") or nh)
+    d = int(c.get("head_dim") or h // nh)
+    inter = int(ckpt.setting("intermediate_size", _FIX_REFETCH))
+    if c.get("hidden_act", "silu") != "silu":
+        raise ckpt.problem("hidden_act", f"is {c['hidden_act']!r}, only 'silu' is supported",
+                           "use a head of a Llama/Qwen2-family target", in_config=True)
+    if int(c.get("num_hidden_layers", 1)) != 1:
+        raise ckpt.problem("num_hidden_layers", f"is {c['num_hidden_layers']}, an EAGLE-1/2 "
+                           "head has one layer", _FIX_REFETCH, in_config=True)
+    layer = "layers.0."
+    fix = _FIX_REFETCH
+
+    def t(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return ckpt.tensor(key, shape, fix)
+
+    def opt(key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return ckpt.optional(key, shape, fix)
+
+    fc_b = t("fc.bias", (h,)) if c.get("bias", True) else opt("fc.bias", (h,))
+    attn = layer + "self_attn."
+    return EagleHead(
+        source=str(ckpt.folder),
+        fc_w=t("fc.weight", (h, 2 * h)), fc_b=fc_b,
+        wq=t(attn + "q_proj.weight", (nh * d, h)), wk=t(attn + "k_proj.weight", (kh * d, h)),
+        wv=t(attn + "v_proj.weight", (kh * d, h)),
+        bq=opt(attn + "q_proj.bias", (nh * d,)), bk=opt(attn + "k_proj.bias", (kh * d,)),
+        bv=opt(attn + "v_proj.bias", (kh * d,)),
+        wo=t(attn + "o_proj.weight", (h, nh * d)),
+        ln2=t(layer + "post_attention_layernorm.weight", (h,)),
+        gate=t(layer + "mlp.gate_proj.weight", (inter, h)),
+        up=t(layer + "mlp.up_proj.weight", (inter, h)),
+        down=t(layer + "mlp.down_proj.weight", (h, inter)),
+        num_heads=nh, num_kv_heads=kh, head_dim=d, eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(c.get("rope_theta", 10000.0)),
+    )
+
+
+def refuse_eagle3(ckpt: Checkpoint, info: ModelInfo) -> None:
+    """Check an EAGLE-3 checkpoint's keys and shapes against the target, then refuse it
+    (module doc: the session keeps ``h_N`` only)."""
+    check_target(ckpt, info, None, "use an EAGLE-1/2 head or drafter=feature")
+    h = info.hidden_size
+    ht = int(ckpt.config.get("target_hidden_size") or h)
+    vd = int(ckpt.setting("draft_vocab_size", _FIX_REFETCH))
+    ckpt.tensor("fc.weight", (h, 3 * ht), _FIX_REFETCH)
+    ckpt.tensor("lm_head.weight", (vd, h), _FIX_REFETCH)
+    ckpt.tensor("d2t", (vd,), _FIX_REFETCH)
+    ckpt.tensor("norm.weight", (h,), _FIX_REFETCH)
+    raise ConfigError(
+        f"{ckpt.weights_file}: key 'fc.weight' reads the target's hidden states before layers "
+        f"2, {info.num_layers // 2} and {info.num_layers - 3} (EAGLE-3), which are not kept: "
+        "EAGLE-3 heads are not yet supported; fix: use an EAGLE-1/2 head of this target "
+        "(drafter.head=<folder>) or its own feature head (drafter=feature)")
+
+
+def load_eagle_folder(path: str, info: ModelInfo, embed: torch.Tensor | None = None
+                      ) -> EagleHead:
+    """The EAGLE-1/2 head in the folder (or hub id) ``path`` for the target ``info``; an
+    EAGLE-3 or Medusa folder gets its clear refusal."""
+    ckpt = read_checkpoint(path)
+    fmt = detect_format(ckpt)
+    if fmt == "eagle3":
+        refuse_eagle3(ckpt, info)
+    if fmt != "eagle":
+        raise ckpt.problem("fc.weight", f"is missing: this is a {fmt} checkpoint",
+                           "load it with drafter=medusa (drafter.heads=<folder>)")
+    return eagle_head_from(ckpt, info, embed)
+
+
+class EagleDraftModel:
+    """An ``EagleHead`` placed beside a target ``NativeLM`` (a ``FeatureHeadRunner``).
+
+    Weights on the target's device and dtype (packed where the target is); the layer runs
+    on the head's own keys/values (``kv``: one layer of the head's attention shape) through
+    the batch's attention backend, as the target's layers do.
+    """
+
+    def __init__(self, head: EagleHead, target: NativeLM) -> None:
+        device, dtype = target.device, target.dtype
+        packed = target.packed and packing_available(device, dtype)
+
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return place_matrix(t, device, dtype, packed)
+
+        with torch.no_grad():
+            self.fc_w = w(head.fc_w)  # [H, 2H]
+            self.fc_b = place_vector(head.fc_b, device, dtype)  # [H]
+            self.wqkv = w(torch.cat([head.wq, head.wk, head.wv]))  # [(NH + 2KH) D, H]
+            self.bqkv = None if head.bq is None else place_vector(
+                torch.cat([head.bq, head.bk, head.bv]), device, dtype)
+            self.wo = w(head.wo)  # [H, NH D]
+            self.ln2 = place_vector(head.ln2, device, dtype)  # [H]
+            self.w_gate_up = w(torch.cat([head.gate, head.up]))  # [2I, H]
+            self.w_down = w(head.down)  # [H, I]
+        self.head = head
+        self.target = target
+        self.ids = torch.arange(target.info.vocab_size, device=device)  # [V]: full vocabulary
+        self.vocab_size = target.info.vocab_size
+        d = head.head_dim
+        if head.rope_theta == target.rope_theta and d == target.head_dim:
+            self.cos, self.sin_signed = target.cos, target.sin_signed  # [P, D]
+        else:
+            cos, sin = rope_tables(target.cos.shape[0], d, head.rope_theta, device)
+            self.cos, self.sin_signed = cos.to(dtype), sin.to(dtype)
+
+    @property
+    def kv(self) -> KVSpec:
+        """The keys/values of the head's one layer (a request's cache: ``KVCache(kv, n)``)."""
+        h = self.head
+        return KVSpec(1, h.num_kv_heads, h.head_dim, self.target.dtype, self.target.device)
+
+    def features(self, final: torch.Tensor) -> torch.Tensor:
+        """``h_N [R, H]`` -> ``a = RMSNorm_g(h_N) [R, H]``, the features EAGLE reads."""
+        t = self.target
+        return F.rms_norm(final, (t.hidden_size,), t.final_norm, t.eps)
+
+    @torch.inference_mode()
+    def step(self, feats: torch.Tensor, next_ids: torch.Tensor, batch: LayerBatch
+             ) -> torch.Tensor:
+        """``a [R, H]`` (features or fed-back predictions) and ``t_{p+1} [R]`` of the packed
+        rows of a ragged batch -> ``a^ [R, H]``; appends the rows to each request's cache."""
+        h = self.head
+        r = self.target.min_rows
+        memo: dict = {}
+        emb = self.target.embed(next_ids)  # [R, H]
+        x = linear(torch.cat([emb, feats.to(emb.dtype)], dim=-1), self.fc_w, self.fc_b, r)
+        attention = batch[0][0].attention
+        rows = attention.positions(batch, memo)  # [R] positions
+        n, nh, kh, d = x.shape[0], h.num_heads, h.num_kv_heads, h.head_dim
+        qkv = linear(x, self.wqkv, self.bqkv, r)  # [R, (NH + 2KH) D]
+        qk = qkv[:, : (nh + kh) * d].view(n, nh + kh, d)  # [R, NH + KH, D]
+        v = qkv[:, (nh + kh) * d :].view(n, kh, d)  # [R, KH, D]
+        cos, sin = self.cos[rows].unsqueeze(1), self.sin_signed[rows].unsqueeze(1)
+        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        att = attention.attend(qk[:, :nh], qk[:, nh:], v, batch, d**-0.5, memo)  # [R, NH, D]
+        y = x + linear(att.reshape(n, nh * d), self.wo, None, r)  # [R, H]
+        z = F.rms_norm(y, (y.shape[-1],), self.ln2, h.eps)
+        gate, up = linear(z, self.w_gate_up, None, r).chunk(2, dim=-1)  # [R, I] each
+        return y + linear(F.silu(gate) * up, self.w_down, None, r)  # [R, H]
+
+    @torch.no_grad()
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """``a^ [R, H] -> [R, V]`` float32: the target's LM head, no norm."""
+        return linear(predicted, self.target.head_weight, None, self.target.min_rows).float()
+
+    def to_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """Distributions over the draft vocabulary (the full one here) -> ``[R, V]``."""
+        return probs
