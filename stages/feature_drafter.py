@@ -186,7 +186,7 @@ def feature_head_placer(lm: NativeLM, head: str
     raise ModelNotFoundError(
         f"drafter.head={head}: no feature head at {path}; train one with "
         f"`python -m train_heads.train head=feature model={name}` (see "
-        f"train_heads/README.md), pass a published EAGLE-1/2 head's folder, or pick another "
+        f"docs/heads.md), pass a published EAGLE-1/2 head's folder, or pick another "
         f"drafter (drafter=pld)"
     )
 

@@ -190,7 +190,7 @@ def read_heads_metadata(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(
             f"exit heads file {path} does not exist; train heads with "
-            f"`python -m train_heads.train model=<model>` (see train_heads/README.md)"
+            f"`python -m train_heads.train model=<model>` (see docs/heads.md)"
         )
     with safe_open(str(path), framework="pt") as f:
         raw = (f.metadata() or {}).get(_META_KEY)

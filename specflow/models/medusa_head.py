@@ -116,3 +116,33 @@ class MedusaDraftModel:
                 x = x + F.silu(linear(x, w, b, t.min_rows))
             out.append(linear(x, self.lm[j], None, t.min_rows).float())  # [R, V]
         return torch.stack(out)
+
+
+def save_medusa_folder(folder: str | Path, heads: MedusaHeads, info: ModelInfo) -> Path:
+    """Write ``heads`` (for target ``info``) as a Medusa folder, in the layout
+    ``load_medusa_folder`` and ``FasterDecoding/Medusa`` read: ``config.json``
+    (``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``) and
+    ``medusa_lm_head.safetensors`` (``{j}.{l}.linear.weight/bias``, ``{j}.{L}.weight``).
+    An LM head that bfloat16 holds exactly (a copy of a bf16 target's) is written in
+    bfloat16, halving the file; any other tensor in float32."""
+    import json
+
+    from safetensors.torch import save_file
+
+    layers = len(heads.blocks[0]) if heads.blocks else 0
+    tensors: dict[str, torch.Tensor] = {}
+    for j in range(heads.num_heads):
+        for m, (w, b) in enumerate(heads.blocks[j]):
+            tensors[f"{j}.{m}.linear.weight"] = w.float().contiguous()
+            tensors[f"{j}.{m}.linear.bias"] = b.float().contiguous()
+        u = heads.lm[j].float()
+        exact = torch.equal(u.to(torch.bfloat16).float(), u)
+        tensors[f"{j}.{layers}.weight"] = (u.to(torch.bfloat16) if exact else u).contiguous()
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": layers,
+              "base_model_name_or_path": info.name, "hidden_size": info.hidden_size,
+              "vocab_size": info.vocab_size}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(folder / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
+    return folder

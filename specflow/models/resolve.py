@@ -70,7 +70,7 @@ def attach_exit_heads(lm: LayeredLM, name: str, heads: str) -> None:
     if not path.exists():
         raise ModelNotFoundError(
             f"model.exit_heads={heads}: no exit heads at {path}; train them with "
-            f"`python -m train_heads.train model={name}` (see train_heads/README.md), or set "
+            f"`python -m train_heads.train model={name}` (see docs/heads.md), or set "
             f"model.exit_heads=null to exit through the shared final norm + LM head"
         )
     from specflow.models.native import NativeLM
