@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -138,6 +140,17 @@ def main() -> None:
     )
     ap.add_argument("--feature-k", type=int, default=4)
     ap.add_argument(
+        "--keep-tables", default=None,
+        help="a folder of token-tree tables an earlier run kept (drafter.keep): adds "
+        "ours_suffix_recycle_kept, the token trees starting from a copy of them",
+    )
+    ap.add_argument(
+        "--eagle-head", default=None,
+        help="an EAGLE-1/2 checkpoint folder (config.json + weights, as published, or a head "
+        "train_heads exported with output.format=eagle): adds ours_eagle_pld_folder, prompt "
+        "lookup first and that head at k = --feature-k (docs/draft-checkpoints.md)",
+    )
+    ap.add_argument(
         "--feature-tree", type=int, nargs=2, default=None, metavar=("BRANCHES", "DEPTH"),
         help="with --feature-head: adds ours_feature_tree and ours_eagle_pld_tree, the head "
         "drafting a tree of BRANCHES x DEPTH (drafter.branches, drafter.k)",
@@ -205,12 +218,13 @@ def main() -> None:
             draft_length=AdaptiveDraftLength(),
         ),
     }
-    def token_tree(suffix: bool, recycling: bool, branches: int = 3) -> TokenTreeDrafter:
+    def token_tree(suffix: bool, recycling: bool, branches: int = 3,
+                   keep: str | None = None) -> TokenTreeDrafter:
         # conf/drafter/suffix_recycle.yaml (recycle.yaml, suffix.yaml: one source)
         return TokenTreeDrafter(
             target.lm, k=8, branches=branches, max_nodes=12,
             suffix=SuffixIndex(max_ngram=6, min_ngram=1, max_matches=16) if suffix else None,
-            recycling=RecyclingTable(width=8) if recycling else None,
+            recycling=RecyclingTable(width=8) if recycling else None, keep=keep,
         )
 
     ours["ours_suffix_recycle"] = SpeculativePipeline(
@@ -219,6 +233,11 @@ def main() -> None:
         verifier, StandardAcceptor(), drafter=token_tree(False, True))
     ours["ours_suffix"] = SpeculativePipeline(
         verifier, StandardAcceptor(), drafter=token_tree(True, False))
+    if args.keep_tables:  # a copy: the run's own learning does not reach the folder
+        kept = Path(tempfile.mkdtemp(prefix="kept-tables-"))
+        shutil.copytree(args.keep_tables, kept, dirs_exist_ok=True)
+        ours["ours_suffix_recycle_kept"] = SpeculativePipeline(
+            verifier, StandardAcceptor(), drafter=token_tree(True, True, keep=str(kept)))
     ours["ours_suffix_recycle_chain"] = SpeculativePipeline(
         verifier, StandardAcceptor(), drafter=token_tree(True, True, branches=1))
     ours["ours_suffix_recycle_adaptive"] = SpeculativePipeline(
@@ -283,6 +302,13 @@ def main() -> None:
             ours["ours_eagle_pld_tree"] = SpeculativePipeline(
                 verifier, StandardAcceptor(), drafter=FallbackDrafter(fallback_pld(), tree())
             )
+    if args.eagle_head:
+        ours["ours_eagle_pld_folder"] = SpeculativePipeline(
+            verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                fallback_pld(), FeatureDrafter(target.lm, head=args.eagle_head,
+                                               k=args.feature_k)
+            )
+        )
 
     padded_models = [m.lm for m in (target, drafter) if m is not None]
     padded_rows = args.min_rows  # the <method>_rows variants' row count (0: probe it)

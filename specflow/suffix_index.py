@@ -85,6 +85,11 @@ class SuffixIndex:
         if self.num_tokens > self.max_tokens:
             self._evict(keep=tokens)
 
+    def sequences(self) -> list[list[int]]:
+        """Copies of the indexed sequences, oldest first (what ``add`` would rebuild the
+        index from)."""
+        return [list(seq.tokens) for seq in self._seqs.values()]
+
     def match(self, tokens: list[int], depth: int) -> SuffixMatch | None:
         """The continuation trie (``depth`` tokens deep at most) of the longest suffix of
         ``tokens`` that occurred before, in ``tokens`` itself or another sequence; ``None``

@@ -30,18 +30,25 @@ chains for every request (then any acceptor, FLy included, can verify them).
 
 After verification (``observe``) every verified position's target logits update the
 recycling table, and every node whose parent was kept counts for its bins' calibration.
+All three live as long as the drafter (a run); with ``keep`` they are also kept on disk per
+target and weights (``specflow.kept_tables``), so the next run starts where this one stopped.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import time
+import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from specflow.errors import ConfigError
+from specflow.kept_tables import TargetKey, default_tables_dir, load_tables, save_tables
 from specflow.kv.base import LayeredLM, ModelInfo
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
@@ -78,6 +85,13 @@ def recycle_bin(prob: float) -> tuple[str, int]:
     return ("recycle", min(int(prob * 10), 9))
 
 
+def _save_at_exit(ref: weakref.ReferenceType[TokenTreeDrafter]) -> None:
+    """Write a kept drafter's tables at interpreter exit, if the drafter still exists."""
+    drafter = ref()
+    if drafter is not None:
+        drafter.save_tables()
+
+
 @dataclass
 class _LastDraft:
     """What a request's last draft was planned from (for the calibration)."""
@@ -101,6 +115,14 @@ class TokenTreeDrafter:
         calibration_strength: the prior's weight in pseudo-observations per bin.
         row_cost: the price of a verify row beyond the first, in steps, where the target
             has no row probe (``None``: 0.1 on a CPU, 0 elsewhere).
+        keep: a folder where the tables (recycling, the suffix index's sequences, the
+            calibration) are kept across runs of this target (``specflow.kept_tables``):
+            read at construction, written when requests join and at most every
+            ``keep_every_s`` seconds of drafting, and at exit if the drafter still exists
+            (so at most the last ``keep_every_s`` seconds of learning are lost); ``"default"``:
+            ``<cache>/token_trees/<model>/<weights fingerprint>/``; ``None``: every run
+            starts empty.
+        keep_every_s: the longest time between two writes of the kept tables.
     """
 
     name = "token_tree"
@@ -108,7 +130,8 @@ class TokenTreeDrafter:
     def __init__(self, model: Any = None, k: int = 8, branches: int = 3,
                  suffix: SuffixIndex | None = None, recycling: RecyclingTable | None = None,
                  max_nodes: int = 12, min_path_prob: float = 0.01,
-                 calibration_strength: float = 4.0, row_cost: float | None = None) -> None:
+                 calibration_strength: float = 4.0, row_cost: float | None = None,
+                 keep: str | None = None, keep_every_s: float = 10.0) -> None:
         if k < 1:
             raise ConfigError(f"drafter.k must be >= 1, got {k}")
         if branches < 1:
@@ -132,6 +155,19 @@ class TokenTreeDrafter:
         self._last: RequestLocal[_LastDraft] = RequestLocal(lambda _state: _LastDraft())
         if isinstance(self.lm, NativeLM) and self.lm.packed and self.lm.device.type == "cpu":
             row_probe(self.lm)  # prices of verify rows: probed once per model and process
+        self.keep: Path | None = None
+        self.keep_every_s = keep_every_s
+        self._saved_at = time.monotonic()
+        if keep is not None:
+            if self.lm is None:
+                raise ConfigError("drafter.keep needs the target (drafter.model): the tables "
+                                  "are kept per model and weights")
+            info = self.lm.info
+            self._key = TargetKey(info.name, info.weights_fingerprint, info.vocab_size)
+            self.keep = (default_tables_dir(info.name, info.weights_fingerprint)
+                         if keep == "default" else Path(keep).expanduser())
+            load_tables(self.keep, self._key, self.recycling, self.suffix, self.calibration)
+            atexit.register(_save_at_exit, weakref.ref(self))  # not keeping the model alive
 
     def models(self) -> list[ModelInfo]:
         return []
@@ -144,6 +180,14 @@ class TokenTreeDrafter:
         if self.suffix is not None:
             for st in states:
                 self.suffix.add(st.tokens)
+        if self.keep is not None:
+            self.save_tables()
+
+    def save_tables(self) -> None:
+        """Write the tables to the ``keep`` folder (no-op without one)."""
+        if self.keep is not None:
+            save_tables(self.keep, self._key, self.recycling, self.suffix, self.calibration)
+            self._saved_at = time.monotonic()
 
     def next_part(self, state: DecodeState) -> DraftPart:
         """One part, asked for up to its k (``Drafter.next_part``)."""
@@ -241,3 +285,5 @@ class TokenTreeDrafter:
         if self.recycling is not None and inputs:
             rows = torch.cat([lg.reshape(-1, lg.shape[-1]) for lg in target_logits])
             self.recycling.update(inputs, rows)
+        if self.keep is not None and time.monotonic() - self._saved_at > self.keep_every_s:
+            self.save_tables()

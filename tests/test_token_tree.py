@@ -325,3 +325,39 @@ def test_a_drafter_without_sources_is_refused():
         TokenTreeDrafter(None)
     with pytest.raises(ConfigError, match="drafter.branches must be >= 1"):
         TokenTreeDrafter(None, branches=0, recycling=RecyclingTable())
+
+
+# ------------------------------------------------------------ tables kept across runs
+
+
+def test_kept_tables_round_trip_exactly(target, tmp_path):
+    """A drafter with ``keep`` writes its recycling table, suffix sequences and calibration
+    when requests join and at exit; a new drafter on the same folder starts with exactly
+    them, and decodes the same tokens (greedy, batch 3, paged) as plain decoding."""
+    hf, lm = target
+    want = [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    first = tree_drafter(lm, keep=str(tmp_path))
+    gens, _ = decode(SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=first),
+                     3, "paged", PROMPTS, MAX_NEW)
+    assert [g.tokens for g in gens] == want
+    first.save_tables()  # what exit does
+    again = tree_drafter(lm, keep=str(tmp_path))
+    assert torch.equal(again.recycling.ids, first.recycling.ids)
+    assert torch.equal(again.recycling.probs, first.recycling.probs)
+    assert again.suffix.sequences() == first.suffix.sequences()
+    assert len(again.suffix.sequences()) == len(PROMPTS)
+    assert again.calibration.counts == first.calibration.counts and again.calibration.counts
+    gens, _ = decode(SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=again),
+                     3, "paged", PROMPTS, MAX_NEW)
+    assert [g.tokens for g in gens] == want
+
+
+def test_kept_tables_of_another_model_are_refused(target, tmp_path):
+    _, lm = target
+    from specflow.kept_tables import TargetKey, save_tables
+
+    save_tables(tmp_path, TargetKey("other-model", "0123abcd", lm.info.vocab_size),
+                RecyclingTable(width=4), SuffixIndex(), AcceptanceCalibration())
+    with pytest.raises(ConfigError, match=r"made for model 'other-model' .* fix: point "
+                                          r"drafter.keep at another folder"):
+        tree_drafter(lm, keep=str(tmp_path))

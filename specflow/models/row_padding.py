@@ -4,10 +4,10 @@ A decoding step multiplies every weight matrix by one row; a verification pass b
 On some CPUs oneDNN's packed fp32 kernels stream the weights markedly slower for one or two
 rows than for four or five: on the 2-vCPU KVM `AMD EPYC` (torch ISA AVX512) of
 ``docs/performance.md`` ("How a round's cost is made") the probe pads the Qwen2.5-1.5B's
-steps to 5 rows, which ran faster than one.  Elsewhere (another ISA, another oneDNN) it may not be, so the row count
-is never assumed: ``model.min_rows`` gives it, or ``null`` probes it once per model and
-process on the model's own packed matrices (``probe_min_rows``), and keeps 1 unless a row
-count is faster by more than ``MARGIN``.
+steps to 5 rows, which ran faster than one.  Elsewhere (another ISA, another oneDNN) it
+may not be, so the row count is never assumed: ``model.min_rows`` gives it, or ``null``
+probes it once per model and process on the model's own packed matrices
+(``probe_min_rows``), and keeps 1 unless a row count is faster by more than ``MARGIN``.
 
 The same probe prices a verification pass (``RowPrices``): it also times ``PRICED`` row counts
 (never chosen as padding), so a draft-length policy knows what k + 1 verify rows cost against
