@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specflow.models.native import _Layer, dense, pack, packing_available
+from specflow.models.native import _Layer, dense, pack, packing_available, rope_inv_freq
 
 
 def copy_from_native(module: nn.Module, src: _Layer, num_heads: int, num_kv_heads: int,
@@ -77,12 +77,11 @@ def to_native(module: nn.Module, device: torch.device, dtype: torch.dtype,
         )
 
 
-def rope_tables(length: int, head_dim: int, theta: float, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(length: int, head_dim: int, theta: float, device: torch.device,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin_signed [T, D]`` (float32) exactly as ``NativeLM`` builds them:
-    ``rope(x) = x * cos + roll(x, D/2) * sin_signed``."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float().to(device)
-                           / head_dim))
+    ``rope(x) = x * cos + roll(x, D/2) * sin_signed`` (``scaling``: ``rope_inv_freq``'s)."""
+    inv = rope_inv_freq(head_dim, theta, scaling).to(device)
     ang = torch.arange(length, device=device).float()[:, None] * inv
     emb = torch.cat([ang, ang], dim=-1)
     sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)]).to(device)

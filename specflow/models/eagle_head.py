@@ -41,7 +41,7 @@ from specflow.errors import ConfigError
 from specflow.kv.base import KVSpec, LayerBatch, ModelInfo
 from specflow.models.checkpoint_files import Checkpoint, detect_format, read_checkpoint
 from specflow.models.decoder_params import place_matrix, place_vector, rope_tables
-from specflow.models.native import NativeLM, linear, packing_available
+from specflow.models.native import LLAMA3_ROPE_KEYS, NativeLM, linear, packing_available
 
 TARGET_KEY = "specflow_target"  # config.json: {"name", "weights_fingerprint"} of an export
 _FIX_REFETCH = "fetch the checkpoint folder again, as published (config.json + weights)"
@@ -75,6 +75,7 @@ class EagleHead:
     head_dim: int
     eps: float
     rope_theta: float
+    rope_scaling: dict | None = None  # llama3 RoPE's parameters (None: default RoPE)
 
     def place(self, target: NativeLM) -> EagleDraftModel:
         """The head ready to draft beside the placed ``target``."""
@@ -152,7 +153,18 @@ def eagle_head_from(ckpt: Checkpoint, info: ModelInfo, embed: torch.Tensor | Non
         down=t(layer + "mlp.down_proj.weight", (h, inter)),
         num_heads=nh, num_kv_heads=kh, head_dim=d, eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=float(c.get("rope_theta", 10000.0)),
+        rope_scaling=_llama3_rope(c),
     )
+
+
+def _llama3_rope(config: dict) -> dict | None:
+    """The head's llama3 RoPE parameters from its ``config.json`` (``rope_scaling`` or
+    ``rope_parameters``), or ``None`` for default RoPE."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = config.get(key) or {}
+        if rope.get("rope_type", rope.get("type")) == "llama3":
+            return {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_ROPE_KEYS}}
+    return None
 
 
 def refuse_eagle3(ckpt: Checkpoint, info: ModelInfo) -> None:
@@ -217,10 +229,13 @@ class EagleDraftModel:
         self.ids = torch.arange(target.info.vocab_size, device=device)  # [V]: full vocabulary
         self.vocab_size = target.info.vocab_size
         d = head.head_dim
-        if head.rope_theta == target.rope_theta and d == target.head_dim:
+        same = (head.rope_theta == target.rope_theta and d == target.head_dim
+                and _same_scaling(head.rope_scaling, target.rope_scaling))
+        if same:
             self.cos, self.sin_signed = target.cos, target.sin_signed  # [P, D]
         else:
-            cos, sin = rope_tables(target.cos.shape[0], d, head.rope_theta, device)
+            cos, sin = rope_tables(target.cos.shape[0], d, head.rope_theta, device,
+                                   head.rope_scaling)
             self.cos, self.sin_signed = cos.to(dtype), sin.to(dtype)
 
     @property
@@ -266,3 +281,10 @@ class EagleDraftModel:
     def to_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """Distributions over the draft vocabulary (the full one here) -> ``[R, V]``."""
         return probs
+
+
+def _same_scaling(a: dict | None, b: dict | None) -> bool:
+    """Whether two RoPE scalings give the same tables (``None``: default RoPE)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return all(float(a[k]) == float(b[k]) for k in LLAMA3_ROPE_KEYS)

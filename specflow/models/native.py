@@ -1,8 +1,9 @@
 """A native ``LayeredLM`` for the Llama/Qwen2 family, fast at batch 1 on CPU.
 
-Covers ``LlamaForCausalLM`` (SmolLM2, TinyLlama, Llama 2/3 without rope scaling) and
-``Qwen2ForCausalLM`` (Qwen2/2.5: q/k/v biases, often tied embeddings) with default RoPE and
-full attention in every layer; ``supports(config)`` says why anything else is refused.
+Covers ``LlamaForCausalLM`` (SmolLM2, TinyLlama, Llama 2/3, and Llama 3.1/3.2 with their
+``llama3`` RoPE scaling: ``rope_inv_freq``) and ``Qwen2ForCausalLM`` (Qwen2/2.5: q/k/v biases,
+often tied embeddings) with full attention in every layer; ``supports(config)`` says why
+anything else is refused.
 
 The weights are the HF model's own tensors (shared, same dtype); only the fused q/k/v and
 gate/up matrices are new (one matmul instead of three/two per layer, measured faster at
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -43,16 +45,50 @@ log = logging.getLogger("specflow")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
+
 def _rope_params(cfg) -> dict:
-    """``{"rope_type": ..., "rope_theta": ...}`` from a transformers v5 or v4-style config."""
+    """``{"rope_type": ..., "rope_theta": ..., <the type's parameters>}`` from a transformers
+    v5 (``rope_parameters``) or v4-style (``rope_scaling``, ``rope_theta``) config."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     scaling = getattr(cfg, "rope_scaling", None)
-    if scaling and "rope_type" not in params:
-        params["rope_type"] = scaling.get("rope_type", scaling.get("type"))
+    if scaling:
+        for key, value in scaling.items():
+            params.setdefault(key, value)
+        if "rope_type" not in params and "type" in scaling:
+            params["rope_type"] = scaling["type"]
     params.setdefault("rope_type", "default")
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
     return params
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies ``[D/2]`` (float32): ``theta^(-2i/D)``, and with
+    ``scaling`` of type ``llama3`` (Llama 3.1/3.2) rescaled by wavelength ``l = 2 pi / f``
+    against the original context ``C`` (factors ``s``, ``a = low_freq_factor``,
+    ``b = high_freq_factor``):
+
+        l > C / a          f / s                               (long waves: slowed)
+        l < C / b          f                                   (short waves: kept)
+        otherwise          (1 - m) f / s + m f,   m = (C / l - a) / (b - a)   (blended)
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        return inv
+    if scaling["rope_type"] != "llama3":
+        raise ConfigError(f"rope_type {scaling['rope_type']!r} is not supported (default, llama3)")
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > context / low, inv / factor, inv)
+    mix = (context / wavelen - low) / (high - low)
+    blended = (1 - mix) * scaled / factor + mix * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, blended, scaled)
 
 
 def supports(hf_config) -> tuple[bool, str]:
@@ -64,8 +100,15 @@ def supports(hf_config) -> tuple[bool, str]:
     if act != "silu":
         return False, f"hidden_act {act!r} is not 'silu'"
     rope = _rope_params(hf_config)
-    if rope["rope_type"] not in (None, "default"):
-        return False, f"rope_type {rope['rope_type']!r} is not supported (only default RoPE)"
+    if rope["rope_type"] not in (None, "default", "llama3"):
+        return False, (f"rope_type {rope['rope_type']!r} is not supported (only default and "
+                       "llama3 RoPE)")
+    if rope["rope_type"] == "llama3":
+        missing = [k for k in LLAMA3_ROPE_KEYS if k not in rope]
+        if missing:
+            return False, f"llama3 RoPE without {missing}"
+        if float(rope.get("attention_factor") or 1.0) != 1.0:
+            return False, "llama3 RoPE with an attention_factor other than 1"
     if isinstance(rope.get("partial_rotary_factor"), float) and rope["partial_rotary_factor"] != 1:
         return False, "partial rotary embeddings are not supported"
     layer_types = getattr(hf_config, "layer_types", None)
@@ -194,6 +237,7 @@ class NativeLM:
         rope_theta: float,
         max_positions: int,
         head_weight: torch.Tensor | None = None,
+        rope_scaling: dict | None = None,
     ) -> None:
         if len(layers) != info.num_layers:
             raise ConfigError(f"{info.name}: {len(layers)} layers but info says {info.num_layers}")
@@ -218,6 +262,9 @@ class NativeLM:
         self.head_dim = head_dim
         self.eps = rms_eps
         self.rope_theta = rope_theta
+        # None: default RoPE; else its parameters (llama3: ``rope_inv_freq``).  Heads with a
+        # RoPE of their own reuse the target's tables only where this is None.
+        self.rope_scaling = rope_scaling
         self.scale = head_dim**-0.5
         self.hidden_size = embed_weight.shape[1]
         self.dtype = embed_weight.dtype
@@ -228,11 +275,8 @@ class NativeLM:
         # h_L of every position: ``exit_adapter``); its position-wise part is exit_heads[L].
         self.exit_adapters: dict[int, _Layer] = {}
         self._placed: dict[tuple[str, torch.dtype], NativeLM] = {}  # see ``to``
-        # RoPE tables exactly as HF's default rope: fp32 angles, cast to the model dtype.
-        inv_freq = 1.0 / (
-            rope_theta
-            ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float().to(self.device) / head_dim)
-        )
+        # RoPE tables exactly as HF's rope: fp32 angles, cast to the model dtype.
+        inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling).to(self.device)
         angles = torch.arange(max_positions, device=self.device).float()[:, None] * inv_freq
         emb = torch.cat([angles, angles], dim=-1)  # [P, D]
         half = head_dim // 2
@@ -316,6 +360,7 @@ class NativeLM:
             rope_theta=_rope_params(cfg)["rope_theta"],
             max_positions=cfg.max_position_embeddings,
             head_weight=head_weight,
+            rope_scaling=rope if (rope := _rope_params(cfg))["rope_type"] == "llama3" else None,
         )
 
     # ------------------------------------------------------------------ LayeredLM
@@ -387,6 +432,7 @@ class NativeLM:
                 head_weight=pack(lm_head) if repack else None,
             )
             moved.rope_theta = self.rope_theta
+            moved.rope_scaling = self.rope_scaling
             moved.min_rows = self.min_rows
             moved.cos = self.cos.to(device=device, dtype=dtype)
             moved.sin_signed = self.sin_signed.to(device=device, dtype=dtype)
