@@ -262,6 +262,13 @@ def main() -> None:
         ours["ours_pld_sps"] = SpeculativePipeline(
             verifier, StandardAcceptor(), drafter=pld_then_model()
         )
+        ours["ours_suffix_sps"] = SpeculativePipeline(  # conf/drafter/suffix_then_model.yaml
+            verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                TokenTreeDrafter(target.lm, k=8, branches=3, max_nodes=12,
+                                 suffix=SuffixIndex(max_ngram=6, min_ngram=2, max_matches=16)),
+                ModelDrafter(drafter.lm, k=args.k),
+            )
+        )
         ours["ours_pld_sps_adaptive"] = SpeculativePipeline(
             verifier,
             StandardAcceptor(),

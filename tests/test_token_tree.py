@@ -24,6 +24,7 @@ from specflow.tree_plan import AcceptanceCalibration, Candidate, grow_tree, plan
 from stages.draft_length import AdaptiveDraftLength
 from stages.fallback_drafter import FallbackDrafter
 from stages.full_verifier import FullVerifier
+from stages.model_drafter import ModelDrafter
 from stages.pld_drafter import PLDDrafter
 from stages.pool_drafter import PoolDrafter
 from stages.round_robin_selector import RoundRobinSelector
@@ -189,11 +190,25 @@ def build(method: str, lm) -> SpeculativePipeline:
         return pipe(PoolDrafter(arms, RoundRobinSelector()))
     if method == "adaptive":
         return pipe(tree_drafter(lm, k=5), draft_length=AdaptiveDraftLength())
+    if method == "suffix_then_model":  # conf/drafter/suffix_then_model.yaml
+        first = TokenTreeDrafter(lm, k=4, branches=3, suffix=SuffixIndex(max_ngram=4,
+                                                                          min_ngram=2))
+        return pipe(FallbackDrafter(first, ModelDrafter(draft_model(), k=3)))
     raise ValueError(method)
 
 
+_DRAFT_MODEL: list = []
+
+
+def draft_model():
+    """A second tiny model of the same vocabulary (made once)."""
+    if not _DRAFT_MODEL:
+        _DRAFT_MODEL.append(make_pair("llama", seed=4, num_layers=2)[1])
+    return _DRAFT_MODEL[0]
+
+
 METHODS = ["suffix_recycle", "recycle", "suffix", "chains", "pld_then_tree", "pool_arm",
-           "adaptive"]
+           "adaptive", "suffix_then_model"]
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
