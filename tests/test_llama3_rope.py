@@ -83,3 +83,33 @@ def test_default_rope_would_differ(llama31):
     hf, _ = llama31
     plain = tiny_hf_model("llama", seed=5, num_layers=3, rope_theta=10000.0)
     assert [hf_greedy(plain, p, 12) for p in PROMPTS] != [hf_greedy(hf, p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("head_rope", ["llama3", "default"])
+def test_an_eagle_head_uses_the_rope_its_config_states(llama31, head_rope, tmp_path):
+    """An EAGLE-1/2 folder for the Llama-3.1-style target: a head whose config states the
+    target's llama3 RoPE shares the target's tables; one with default RoPE gets default-RoPE
+    tables of its own.  Either way drafting stays lossless."""
+    from specflow.models.decoder_params import rope_tables
+    from specflow.models.eagle_head import load_eagle_folder
+    from stages.feature_drafter import FeatureDrafter
+    from tests.test_published_heads import eagle_config, eagle_state, write_eagle
+
+    hf, lm = llama31
+    config = eagle_config(hf)
+    config.pop("rope_scaling", None)
+    config.pop("rope_parameters", None)
+    config["rope_theta"] = 10000.0
+    if head_rope == "llama3":
+        config["rope_scaling"] = {k: v for k, v in ROPE.items() if k != "rope_theta"}
+    folder = write_eagle(tmp_path / "eagle", config, eagle_state(hf, seed=3))
+    placed = load_eagle_folder(str(folder), lm.info, lm.embed_weight).place(lm)
+    if head_rope == "llama3":
+        assert placed.cos is lm.cos
+    else:
+        cos, _ = rope_tables(lm.cos.shape[0], lm.head_dim, 10000.0, lm.device)
+        assert torch.equal(placed.cos, cos.to(lm.dtype)) and not torch.allclose(placed.cos, lm.cos)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
+                               drafter=FeatureDrafter(lm, head=str(folder), k=3))
+    gens, _ = decode(pipe, 1, "paged", PROMPTS, 12)
+    assert [g.tokens for g in gens] == [hf_greedy(hf, p, 12) for p in PROMPTS]
