@@ -23,16 +23,17 @@ from safetensors.torch import save_file
 from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.kv.stores import KVLayout, KVStores
+from specflow.kv.stores import KVStores
 from specflow.models.eagle_export import save_eagle_folder
 from specflow.models.feature_head import FeatureHead
-from specflow.scheduler import Scheduler, SeqRequest, generate
+from specflow.scheduler import generate
 from specflow.state import DecodeState
 from stages.fallback_drafter import FallbackDrafter
 from stages.feature_drafter import FeatureDrafter
 from stages.full_verifier import FullVerifier
 from stages.pld_drafter import PLDDrafter
 from tests.conftest import hf_greedy, make_pair, train_tiny_feature_head
+from tests.test_one_engine import decode
 
 PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6], [2], [7, 7, 7, 7, 7, 7],
            [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]]
@@ -266,12 +267,7 @@ def test_the_exported_head_is_accepted(target, trained):
 
 # ---------------------------------------------------------------------- lossless
 def _decode(pipe, batch_size: int, kind: str) -> list[list[int]]:
-    sched = Scheduler(pipe, batch_size, KVLayout(kind=kind, block_size=4), max_context=64)
-    reqs = [SeqRequest(p, MAX_NEW, tag=i) for i, p in enumerate(PROMPTS)]
-    results = sched.generate(reqs, None)
-    sched.kv.check_no_leaks()
-    by_tag = {r.request.tag: r.generation for r in results}
-    gens = [by_tag[i] for i in range(len(PROMPTS))]
+    gens, _ = decode(pipe, batch_size, kind, PROMPTS, MAX_NEW)
     assert sum(g.stats.drafted for g in gens) > 0
     assert sum(g.stats.accepted for g in gens) > 0
     return [g.tokens for g in gens]

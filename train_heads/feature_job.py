@@ -52,7 +52,7 @@ from train_heads.job_setup import check_disjoint, make_logger, trainer_args
 from train_heads.local_prompts import local_prompts
 from train_heads.magpie import self_written
 from train_heads.prompt_files import file_prompts, read_prompt_file
-from train_heads.prompts import chat_ids, shared_prefix, specbench_split
+from train_heads.prompts import Prompt, chat_ids, shared_prefix, specbench_split
 
 log = logging.getLogger("train_heads")
 DATA_VERSION = 1
@@ -106,6 +106,23 @@ def feature_data_key(model: str, weights_fingerprint: str, dtype: str,
     return data_key({"version": DATA_VERSION, "model": model, "weights": weights_fingerprint,
                      "dtype": dtype,
                      "data": {k: v for k, v in data.items() if k not in KEY_EXCLUDED}})
+
+
+def train_and_heldout(lm: Any, train_ids: list[list[int]], held: list[Prompt], directory: Path,
+                      data: Any) -> tuple[FeatureSequences, dict[str, float],
+                                          FeatureSequences, dict[str, float]]:
+    """The target's greedy answers, with ``h_N``, to the training prompts (``train_*``
+    chunks, ``data.max_new_tokens``) and to the held-out questions (``heldout_*``,
+    ``data.eval_max_new_tokens``), cached in ``directory``: ``(train, its times, held-out,
+    its times)``."""
+    eos = lm.info.eos_token_ids
+    train, t_train = generate_chunked(lm, train_ids, directory, "train",
+                                      int(data.max_new_tokens), int(data.gen_batch_size),
+                                      int(data.chunk), eos)
+    val, t_val = generate_chunked(lm, [p.ids for p in held], directory, "heldout",
+                                  int(data.eval_max_new_tokens), int(data.gen_batch_size),
+                                  int(data.chunk), eos)
+    return train, t_train, val, t_val
 
 
 def held_out_uncut(tok: Any, data: Any) -> list[list[int]]:
@@ -281,12 +298,7 @@ def run_feature(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     directory = data_cache_dir(cfg.data.cache_dir) / Path(info.name).name / f"feature-{key}"
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "key.json").write_text(json.dumps(OmegaConf.to_container(hc.data), indent=2))
-    local, t_train = generate_chunked(lm, train_ids, directory, "train",
-                                      int(hc.data.max_new_tokens), int(hc.data.gen_batch_size),
-                                      int(hc.data.chunk), info.eos_token_ids)
-    val, t_val = generate_chunked(lm, [p.ids for p in held], directory, "heldout",
-                                  int(hc.data.eval_max_new_tokens), int(hc.data.gen_batch_size),
-                                  int(hc.data.chunk), info.eos_token_ids)
+    local, t_train, val, t_val = train_and_heldout(lm, train_ids, held, directory, hc.data)
     sb_new = int(hc.data.get("specbench_max_new_tokens", 192))
     sb_name = f"specbench{sb_new}"  # the answers' length is part of the chunks' identity
     sb, t_sb = generate_chunked(lm, [p.ids for p in sb_train], directory, sb_name, sb_new,

@@ -42,7 +42,8 @@ from omegaconf import DictConfig, OmegaConf
 from specflow.errors import ConfigError
 from specflow.models.medusa_head import MedusaHeads, default_medusa_path, save_medusa_folder
 from train_heads.cache import data_cache_dir
-from train_heads.feature_data import FeatureSequences, data_key, generate_chunked
+from train_heads.feature_data import FeatureSequences
+from train_heads.feature_job import feature_data_key, train_and_heldout
 from train_heads.job_setup import make_logger, trainer_args
 from train_heads.local_prompts import local_prompts
 from train_heads.prompts import chat_ids, shared_prefix, specbench_split
@@ -184,17 +185,12 @@ def run_medusa(cfg: DictConfig, loaded: Any, out_dir: Path) -> dict[str, Any]:
     if not held:
         raise ConfigError(f"no held-out Spec-Bench question (head.data.eval_every="
                           f"{hc.data.eval_every}, eval_offset={hc.data.eval_offset})")
-    key = data_key({"model": info.name, "weights": info.weights_fingerprint,
-                    "dtype": str(lm.dtype), **OmegaConf.to_container(hc.data, resolve=True)})
+    key = feature_data_key(info.name, info.weights_fingerprint, str(lm.dtype),
+                           OmegaConf.to_container(hc.data, resolve=True))
     directory = data_cache_dir(cfg.data.cache_dir) / Path(info.name).name / f"medusa-{key}"
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "key.json").write_text(json.dumps(OmegaConf.to_container(hc.data), indent=2))
-    train, t_train = generate_chunked(lm, train_ids, directory, "train",
-                                      int(hc.data.max_new_tokens), int(hc.data.gen_batch_size),
-                                      int(hc.data.chunk), info.eos_token_ids)
-    val, t_val = generate_chunked(lm, [p.ids for p in held], directory, "heldout",
-                                  int(hc.data.eval_max_new_tokens), int(hc.data.gen_batch_size),
-                                  int(hc.data.chunk), info.eos_token_ids)
+    train, t_train, val, t_val = train_and_heldout(lm, train_ids, held, directory, hc.data)
     skip = shared_prefix(held)
     train_x, train_y = medusa_rows(train, num_heads, skip)
     val_x, val_y = medusa_rows(val, num_heads, skip)
