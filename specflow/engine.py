@@ -203,7 +203,8 @@ class SpeculativePipeline:
     def begin(self, states: list[DecodeState]) -> None:
         """New requests start: every stage prefills / resets (batched).  First, each
         request's sessions learn which exits with an attention adapter a stage reads
-        (``ModelSession.read_exit``: the adapter must see every position, the prefill's too).
+        (``ModelSession.read_exit``: the adapter must see every position, the prefill's too)
+        and which layers' inputs a stage reads (``ModelSession.keep_layer_inputs``, likewise).
 
         A nested pipeline (``k`` set: a drafter) does not prefill its verifier here: like a
         model drafter, it catches up on its first ``propose`` (``Draft.catchup_s``), so a
@@ -212,6 +213,9 @@ class SpeculativePipeline:
             if use.lm.exit_adapter(use.exit_layer) is not None:
                 for st in states:
                     st.session(use.lm).read_exit(use.exit_layer)
+            if use.layer_inputs:
+                for st in states:
+                    st.session(use.lm).keep_layer_inputs(use.layer_inputs)
         if self.k is None:
             self.target_verifier.begin(states)
         if self.draft_length is not None and states:

@@ -35,12 +35,15 @@ class ModelUse:
     intermediate verifier, which continues from them).  ``reads_only``: the stage runs none
     of the model's decoder layers on its drafts, it reads what the model's own verifier
     computed at ``exit_layer`` for committed positions (a feature drafter reads ``h_N``), so
-    no exit order applies to it.
+    no exit order applies to it.  ``layer_inputs``: decoder layers whose inputs the stage
+    reads beside ``h_N`` (an EAGLE-3 head's three), kept by every request's session of the
+    model from its first position on (``ModelSession.keep_layer_inputs``).
     """
 
     lm: LayeredLM
     exit_layer: int
     reads_only: bool = False
+    layer_inputs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,10 +138,13 @@ def draft_limit(drafter: Drafter | DraftPart, wanted: int) -> int:
 class FeatureHeadRunner(Protocol):
     """A feature-level draft head placed beside its target (``drafter=feature``): the
     project's own head (``specflow.models.feature_head.FeatureDraftModel``) or a published
-    EAGLE-1/2 head (``specflow.models.eagle_head.EagleDraftModel``).
+    EAGLE-1/2 head (``specflow.models.eagle_head.EagleDraftModel``) or a published EAGLE-3
+    head (``specflow.models.eagle3_head.Eagle3DraftModel``).
 
-    ``features(h_N [R, H]) -> f [R, H]``: the target's last-layer outputs as the head reads
-    them; ``step(f [R, H], t_{p+1} [R], batch) -> f^ [R, H]``: one row per position (a
+    ``layer_inputs``: the target's decoder layers whose inputs the head reads (``()``: it
+    reads ``h_N`` only); ``features(h_N [R, H], inputs [R, H * len(layer_inputs)]) -> f [R,
+    H]``: what the target computed at a position, as the head reads it;
+    ``step(f [R, H], t_{p+1} [R], batch) -> f^ [R, H]``: one row per position (a
     feature or a fed-back prediction, and the token after it), appended to each request's
     head cache (``kv``: one layer); ``logits(f^ [R, H]) -> [R, S]`` over the draft
     vocabulary, whose target ids are ``ids [S]``; ``to_vocab([R, S] probabilities) ->
@@ -147,11 +153,12 @@ class FeatureHeadRunner(Protocol):
 
     target: NativeLM
     ids: torch.Tensor
+    layer_inputs: tuple[int, ...]
 
     @property
     def kv(self) -> KVSpec: ...
 
-    def features(self, final: torch.Tensor) -> torch.Tensor: ...
+    def features(self, final: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor: ...
 
     def step(self, feats: torch.Tensor, next_ids: torch.Tensor, batch: LayerBatch
              ) -> torch.Tensor: ...

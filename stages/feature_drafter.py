@@ -2,9 +2,11 @@
 
 The head (``specflow.models.feature_head``, trained by ``python -m train_heads.train
 head=feature``) is one decoder layer on the target's features ``h_N`` plus the target's
-final norm and LM head over a draft vocabulary.  It runs no layer of the target and no
-prefill of its own: the target verifier's pass computes ``h_N`` of every committed
-position, and the drafter reads it from the target's session (``ModelSession.
+final norm and LM head over a draft vocabulary; a published EAGLE-1/2 head reads the normed
+``h_N`` the same way, an EAGLE-3 head the inputs of three of the target's layers, which the
+target's sessions keep beside ``h_N`` (``ModelUse.layer_inputs``).  It runs no layer of the
+target and no prefill of its own: the target verifier's pass computes ``h_N`` of every
+committed position, and the drafter reads it from the target's session (``ModelSession.
 final_features``; ``retain_final_from`` keeps it across rounds the drafter sits out).
 
 A round, for a batch (``FeatureDraftModel`` doc for the math): step 0 is ONE batched head
@@ -61,9 +63,9 @@ from specflow.kv.base import ModelInfo
 from specflow.kv.contiguous import KVCache
 from specflow.kv.tree import TreeLayout
 from specflow.models.eagle_export import place_feature_head
-from specflow.models.eagle_head import load_eagle_folder
 from specflow.models.feature_head import default_feature_head_path, load_feature_head
 from specflow.models.native import NativeLM
+from specflow.models.published_heads import load_published_head
 from specflow.models.resolve import as_layered_lm
 from specflow.models.row_padding import RowProbe, row_probe
 from specflow.protocols import DraftPart, FeatureHeadRunner, ModelUse
@@ -167,22 +169,23 @@ class TreeGain:
 
 
 def feature_head_placer(lm: NativeLM, head: str
-                        ) -> tuple[Callable[[NativeLM], FeatureHeadRunner], str]:
-    """``drafter.head`` -> (a function placing the head beside a placed target, its path).
+                        ) -> tuple[Callable[[NativeLM], FeatureHeadRunner], str, tuple[int, ...]]:
+    """``drafter.head`` -> (a function placing the head beside a placed target, its path,
+    the target layers whose inputs it reads: ``FeatureHeadRunner.layer_inputs``).
 
     ``default``: ``<cache>/heads/<model>/feature_head.safetensors``; a ``.safetensors`` file:
     the project's own head; a folder (or hub id) with ``config.json``: a published EAGLE-1/2
-    head (``specflow.models.eagle_head``).  Every check (the target, keys, shapes) runs here,
-    before any decoding.
+    or EAGLE-3 head (``specflow.models.published_heads``).  Every check (the target, keys,
+    shapes) runs here, before any decoding.
     """
     name = lm.info.name
     path = default_feature_head_path(name) if head in ("default", "auto") else Path(head)
     if path.expanduser().is_file():
         own = load_feature_head(path, lm.info)
-        return partial(place_feature_head, own), str(path)
+        return partial(place_feature_head, own), str(path), ()
     if path.expanduser().is_dir() or (head.count("/") == 1 and not path.suffix):
-        eagle = load_eagle_folder(head, lm.info, lm.embed_weight)
-        return eagle.place, eagle.source
+        eagle = load_published_head(head, lm.info, lm.embed_weight)
+        return eagle.place, eagle.source, eagle.layer_inputs
     raise ModelNotFoundError(
         f"drafter.head={head}: no feature head at {path}; train one with "
         f"`python -m train_heads.train head=feature model={name}` (see "
@@ -237,7 +240,7 @@ class FeatureDrafter:
                 f"drafter=feature needs the native backend (the target's layers and LM head); "
                 f"{self.lm.info.name} runs on another backend: set model.backend=native"
             )
-        self.place, self.head_path = feature_head_placer(self.lm, head)
+        self.place, self.head_path, self.layer_inputs = feature_head_placer(self.lm, head)
         self.k = k
         self.min_confidence = min_confidence
         self._draft_models: dict[int, FeatureHeadRunner] = {}  # by id(placed target)
@@ -254,7 +257,8 @@ class FeatureDrafter:
         return [self.lm.info]
 
     def uses(self) -> list[ModelUse]:
-        return [ModelUse(self.lm, self.lm.info.num_layers, reads_only=True)]
+        return [ModelUse(self.lm, self.lm.info.num_layers, reads_only=True,
+                         layer_inputs=self.layer_inputs)]
 
     def _draft_model(self, state: DecodeState) -> FeatureHeadRunner:
         placed = state.session(self.lm).model  # the target as placed for this run
@@ -309,7 +313,8 @@ class FeatureDrafter:
                 # error of ``final_features`` names what is missing).
                 upto = verified if verified > rows.true_rows else end
                 rows.drop_predicted()
-                feats.append(dm.features(sess.final_features(rows.true_rows, upto)))
+                feats.append(dm.features(sess.final_features(rows.true_rows, upto),
+                                         sess.final_layer_inputs(rows.true_rows, upto)))
                 ids += st.tokens[rows.true_rows + 1 : upto + 1]
                 batch.append((rows.kv, upto - rows.true_rows))
                 firsts.append(i)

@@ -91,7 +91,7 @@ def test_an_eagle_head_uses_the_rope_its_config_states(llama31, head_rope, tmp_p
     target's llama3 RoPE shares the target's tables; one with default RoPE gets default-RoPE
     tables of its own.  Either way drafting stays lossless."""
     from specflow.models.decoder_params import rope_tables
-    from specflow.models.eagle_head import load_eagle_folder
+    from specflow.models.published_heads import load_published_head
     from stages.feature_drafter import FeatureDrafter
     from tests.test_published_heads import eagle_config, eagle_state, write_eagle
 
@@ -103,7 +103,7 @@ def test_an_eagle_head_uses_the_rope_its_config_states(llama31, head_rope, tmp_p
     if head_rope == "llama3":
         config["rope_scaling"] = {k: v for k, v in ROPE.items() if k != "rope_theta"}
     folder = write_eagle(tmp_path / "eagle", config, eagle_state(hf, seed=3))
-    placed = load_eagle_folder(str(folder), lm.info, lm.embed_weight).place(lm)
+    placed = load_published_head(str(folder), lm.info, lm.embed_weight).place(lm)
     if head_rope == "llama3":
         assert placed.cos is lm.cos
     else:

@@ -325,21 +325,6 @@ def test_a_missing_key_and_a_wrong_shape_are_refused(target, tmp_path):
         FeatureDrafter(lm, head=str(folder))
 
 
-def test_an_eagle3_head_is_refused_with_what_is_missing(target, tmp_path):
-    """EAGLE-3's keys are checked, then the head is refused: its ``fc`` reads hidden states
-    a session does not keep."""
-    hf, lm = target
-    h, vd = 64, 32
-    sd = {"fc.weight": torch.zeros(h, 3 * h), "midlayer.self_attn.q_proj.weight":
-          torch.zeros(h, 2 * h), "norm.weight": torch.ones(h), "lm_head.weight":
-          torch.zeros(vd, h), "d2t": torch.zeros(vd, dtype=torch.long),
-          "t2d": torch.ones(128, dtype=torch.bool)}
-    folder = write_eagle(tmp_path / "e3", {**eagle_config(hf), "draft_vocab_size": vd}, sd)
-    with pytest.raises(ConfigError, match=r"key 'fc\.weight' reads the target's hidden states "
-                       r"before layers 2, 2 and 1 \(EAGLE-3\).*not yet supported; fix: "):
-        FeatureDrafter(lm, head=str(folder))
-
-
 # ---------------------------------------------------------------------- LayerSkip recipe
 @pytest.fixture(scope="module")
 def layerskip_folder(tmp_path_factory) -> tuple:

@@ -202,7 +202,8 @@ def simulate_tau(head: FeatureHead, lm: Any, data: FeatureSequences, k: int) -> 
         n = plen
         while n < len(tok):
             start, end = kv.length, n - 1
-            out = dm.step(dm.features(feats[start:end].to(lm.dtype)),
+            final = feats[start:end].to(lm.dtype)  # h_N; the head reads no layer inputs
+            out = dm.step(dm.features(final, final[:, :0]),
                           torch.tensor(tok[start + 1 : end + 1]),
                           [(kv, end - start)])
             pred = out[-1:]

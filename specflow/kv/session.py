@@ -32,6 +32,12 @@ tokens in topological order, every node attending to its ancestors only
 values and ``h_N`` rows into place (``AttendedKV.keep_rows``) and drops the other nodes, so
 the accepted tokens are never computed again.
 
+A feature drafter that reads more than ``h_N`` (EAGLE-3: the inputs of three decoder layers)
+declares those layers before the first forward (``keep_layer_inputs``): the session then
+holds each such layer's input rows from when the layer consumes them until the last layer
+computes the same positions, and keeps them beside ``h_N`` in the same rows (one block of
+``[rows, H * (1 + k)]``), so trimming, truncation and a verified tree's path keep both alike.
+
 A session does not care where its keys/values live: its per-layer ``LayerKV``s come from a
 KV store (``specflow.kv.stores``): contiguous buffers of its own, or a sequence of a paged
 pool shared with other requests (whose full forwards may take the static path, a
@@ -182,6 +188,11 @@ class ModelSession:
         # contiguous block(s) the last layer computed, trimmed at every set_tokens.
         self.final_hidden: torch.Tensor | None = None
         self.final_start = 0
+        # Decoder layers whose inputs are kept beside h_N (``keep_layer_inputs``), in order;
+        # held[l]: layer l's input rows of positions [computed(N-1), computed(l)), consumed
+        # by the last layer (appended to final_hidden's rows as columns H*(1+j) ..).
+        self.layer_inputs: tuple[int, ...] = ()
+        self.held: dict[int, torch.Tensor | None] = {}
         # The first position whose h_N a feature drafter still has to read (None: nobody
         # reads h_N beyond the current round; see ``retain_final_from``).
         self.final_floor: int | None = None
@@ -282,6 +293,8 @@ class ModelSession:
         partial = [c.length for c in caches if root < c.length != tree.end]
         held = [layer for layer in range(1, self.num_layers)
                 if self.kept[layer] is not None and self.computed(layer - 1) > root]
+        held += [layer for layer, rows in self.held.items()
+                 if rows is not None and self.computed(layer) > root]
         if partial or held:  # set_tree's forward is a full one: nothing is half done
             raise RuntimeError(f"a tree of [{root}, {tree.end}) is partly computed "
                                f"(layer lengths {partial}, kept states {held})")
@@ -346,6 +359,10 @@ class ModelSession:
                 # kept[layer] covers [old[layer], old[layer-1]); keep the rows of positions < n.
                 rows = min(old[layer - 1], n) - old[layer]
                 self.kept[layer] = kept[:rows] if rows > 0 else None
+        for layer, held in self.held.items():
+            if held is not None:  # covers [old[N-1], old[layer])
+                rows = min(old[layer], n) - old[self.num_layers - 1]
+                self.held[layer] = held[:rows] if rows > 0 else None
         if self.final_hidden is not None:
             rows = n - self.final_start
             self.final_hidden = self.final_hidden[:rows] if rows > 0 else None
@@ -376,6 +393,26 @@ class ModelSession:
         position, also after rounds it did not draft in)."""
         self.final_floor = position
 
+    def keep_layer_inputs(self, layers: tuple[int, ...]) -> None:
+        """Keep the inputs of decoder ``layers`` (0: the embeddings; in this order) beside
+        ``h_N`` for every position the last layer computes from now on (module doc; read
+        with ``final_layer_inputs``).  Must come before the first forward (``RuntimeError``
+        otherwise: those positions' inputs are gone); no-op when already kept."""
+        layers = tuple(int(layer) for layer in layers)
+        if layers == self.layer_inputs:
+            return
+        bad = [layer for layer in layers if not 0 <= layer < self.num_layers]
+        if bad or len(set(layers)) != len(layers):
+            raise ConfigError(f"{self.model.info.name}: layer inputs {list(layers)} must be "
+                              f"distinct layers in 0..{self.num_layers - 1}")
+        if self.layer_inputs or self.computed(0) > 0:
+            raise RuntimeError(
+                f"keep_layer_inputs({list(layers)}) after the session computed positions "
+                f"(or kept {list(self.layer_inputs)}): declare them (the stage's uses()) "
+                "before the pipeline's begin")
+        self.layer_inputs = layers
+        self.held = dict.fromkeys(layers)
+
     def final_end(self) -> int:
         """The end of the kept ``h_N`` block: ``h_N`` of positions ``[final_start,
         final_end())`` is kept (empty when ``final_end() == final_start``)."""
@@ -393,7 +430,18 @@ class ModelSession:
             )
         if end <= start:
             return self._empty()
-        return self.final_hidden[start - self.final_start : end - self.final_start]
+        h = self.model.info.hidden_size
+        return self.final_hidden[start - self.final_start : end - self.final_start, :h]
+
+    def final_layer_inputs(self, start: int, end: int) -> torch.Tensor:
+        """The inputs of the layers ``layer_inputs`` (concatenated in that order, ``[end -
+        start, H * k]``) of positions ``[start, end)``, kept as ``final_features`` is
+        (``[end - start, 0]`` when no layer's inputs are kept)."""
+        self.final_features(start, end)  # the same rows must be kept
+        h = self.model.info.hidden_size
+        if end <= start:
+            return torch.empty(0, h * len(self.layer_inputs), device=self.model.device)
+        return self.final_hidden[start - self.final_start : end - self.final_start, h:]
 
     # ---------------------------------------------------------------- compute
     def hidden(self, exit_layer: int, end: int) -> tuple[torch.Tensor, int]:
@@ -419,13 +467,36 @@ class ModelSession:
             feed.retain(done, rows)
         return rows
 
+    def _hold_input(self, layer: int, rows: torch.Tensor) -> None:
+        """Layer ``layer`` consumes its input ``rows [r, H]`` (the next positions): hold
+        them when its inputs are kept (``keep_layer_inputs``)."""
+        if layer in self.held:
+            prev = self.held[layer]
+            self.held[layer] = rows if prev is None else torch.cat([prev, rows], dim=0)
+
+    def _with_inputs(self, out: torch.Tensor) -> torch.Tensor:
+        """The last layer's ``out [r, H]`` followed by the held inputs of the same ``r``
+        positions (the oldest held rows, then dropped): ``[r, H * (1 + k)]``."""
+        if not self.layer_inputs:
+            return out
+        r, parts = out.shape[0], [out]
+        for layer in self.layer_inputs:
+            held = self.held[layer]
+            assert held is not None and held.shape[0] >= r, (layer, r)
+            parts.append(held[:r])
+            self.held[layer] = held[r:] if held.shape[0] > r else None
+        return torch.cat(parts, dim=-1)
+
     def _store(self, layer: int, done: int, out: torch.Tensor) -> None:
-        """Keep ``layer``'s output rows ``out [rows, H]`` for positions ``[done, done+rows)``."""
+        """Keep ``layer``'s output rows ``out [rows, H]`` for positions ``[done, done+rows)``
+        (the last layer's with the held layer inputs of those positions: ``_with_inputs``)."""
         self.layer_evals += out.shape[0]
         if layer + 1 < self.num_layers:
             prev = self.kept[layer + 1]
             self.kept[layer + 1] = out if prev is None else torch.cat([prev, out], dim=0)
-        elif self.final_hidden is not None and self.final_start + len(self.final_hidden) == done:
+            return
+        out = self._with_inputs(out)
+        if self.final_hidden is not None and self.final_start + len(self.final_hidden) == done:
             self.final_hidden = torch.cat([self.final_hidden, out], dim=0)  # contiguous block
         else:
             self.final_hidden, self.final_start = out, done
@@ -444,7 +515,7 @@ class ModelSession:
         if exit_layer == n_layers:
             if self.final_hidden is None:
                 return self._empty(), self.computed(n_layers - 1)
-            return self.final_hidden, self.final_start
+            return self.final_hidden[:, : self.model.info.hidden_size], self.final_start
         feed = self.adapters.get(exit_layer)
         if feed is not None:
             if feed.out is None:
@@ -514,6 +585,11 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
         else:
             parts = [sess._take_kept(layer, done, end) for sess, done, end in todo]
             inp = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [N, H]
+        if any(layer in sess.held for sess, _, _ in todo):  # keep_layer_inputs
+            row = 0
+            for sess, done, end in todo:
+                sess._hold_input(layer, inp[row : row + end - done])
+                row += end - done
         batch = [(sess.caches[layer], end - done) for sess, done, end in todo]
         out = model.run_layer(layer, inp, batch, memo)  # [N, H]
         if len(todo) == 1:
@@ -593,11 +669,11 @@ def _static_forward(static: StaticPath, queries: list[Query]) -> list[torch.Tens
     """Logits per query from the static path, or ``None`` (run eagerly).  Only a full forward
     fits it: every query asks the last exit for positions ``[start, end)`` with every layer
     at ``start`` (no partial layers pending), and no session feeds an adapter (it keeps
-    ``h_L`` between layers, which the static path never hands out), and no session lays
-    out a token tree (the static path's rows are chains)."""
+    ``h_L`` between layers, which the static path never hands out) or keeps layer inputs
+    (likewise), and no session lays out a token tree (the static path's rows are chains)."""
     for sess, exit_layer, start, _ in queries:
         depth = sess.num_layers
-        if (exit_layer != depth or sess.adapters or sess.tree is not None
+        if (exit_layer != depth or sess.adapters or sess.tree is not None or sess.layer_inputs
                 or any(sess.computed(layer) != start for layer in range(depth))):
             static.note_eager()
             return None

@@ -19,10 +19,8 @@ where the file holds them), ``layers.0.mlp.{gate,up,down}_proj.weight``,
 ``layers.0.post_attention_layernorm.weight``; ``embed_tokens.weight`` where published is
 compared with the target's (the head's fingerprint of its target) and otherwise unused.
 
-**EAGLE-3** (``eagle/model/cnets.py``): read and checked (``fc.weight [H, 3 H_t]``, the
-``midlayer.*`` keys, ``norm.weight``, ``lm_head.weight [V_d, H]``, ``d2t``, ``t2d``), then
-refused: its ``fc`` reads the target's hidden states before layers 2, L//2 and L-3, which a
-session does not keep (it keeps ``h_N``).
+**EAGLE-3** heads: ``specflow.models.eagle3_head``; a folder of either kind is read by
+``specflow.models.published_heads.load_published_head``.
 
 The target check (``check_target``): the config's ``hidden_size``, ``vocab_size`` and
 attention shape must be the target's, a published ``embed_tokens.weight`` must equal the
@@ -39,7 +37,7 @@ import torch.nn.functional as F
 
 from specflow.errors import ConfigError
 from specflow.kv.base import KVSpec, LayerBatch, ModelInfo
-from specflow.models.checkpoint_files import Checkpoint, detect_format, read_checkpoint
+from specflow.models.checkpoint_files import Checkpoint
 from specflow.models.decoder_params import place_matrix, place_vector, rope_tables
 from specflow.models.native import LLAMA3_ROPE_KEYS, NativeLM, linear, packing_available
 
@@ -76,6 +74,7 @@ class EagleHead:
     eps: float
     rope_theta: float
     rope_scaling: dict | None = None  # llama3 RoPE's parameters (None: default RoPE)
+    layer_inputs: tuple[int, ...] = ()  # the target layers whose inputs it reads: none
 
     def place(self, target: NativeLM) -> EagleDraftModel:
         """The head ready to draft beside the placed ``target``."""
@@ -152,12 +151,18 @@ def eagle_head_from(ckpt: Checkpoint, info: ModelInfo, embed: torch.Tensor | Non
         up=t(layer + "mlp.up_proj.weight", (inter, h)),
         down=t(layer + "mlp.down_proj.weight", (h, inter)),
         num_heads=nh, num_kv_heads=kh, head_dim=d, eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(c.get("rope_theta", 10000.0)),
-        rope_scaling=_llama3_rope(c),
+        rope_theta=rope_theta_of(c), rope_scaling=llama3_rope(c),
     )
 
 
-def _llama3_rope(config: dict) -> dict | None:
+def rope_theta_of(config: dict) -> float:
+    """A head config's RoPE base: ``rope_theta``, or the one in ``rope_parameters`` (the
+    newer layout), else 10000."""
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    return float(theta or 10000.0)
+
+
+def llama3_rope(config: dict) -> dict | None:
     """The head's llama3 RoPE parameters from its ``config.json`` (``rope_scaling`` or
     ``rope_parameters``), or ``None`` for default RoPE."""
     for key in ("rope_scaling", "rope_parameters"):
@@ -165,38 +170,6 @@ def _llama3_rope(config: dict) -> dict | None:
         if rope.get("rope_type", rope.get("type")) == "llama3":
             return {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_ROPE_KEYS}}
     return None
-
-
-def refuse_eagle3(ckpt: Checkpoint, info: ModelInfo) -> None:
-    """Check an EAGLE-3 checkpoint's keys and shapes against the target, then refuse it
-    (module doc: the session keeps ``h_N`` only)."""
-    check_target(ckpt, info, None, "use an EAGLE-1/2 head or drafter=feature")
-    h = info.hidden_size
-    ht = int(ckpt.config.get("target_hidden_size") or h)
-    vd = int(ckpt.setting("draft_vocab_size", _FIX_REFETCH))
-    ckpt.tensor("fc.weight", (h, 3 * ht), _FIX_REFETCH)
-    ckpt.tensor("lm_head.weight", (vd, h), _FIX_REFETCH)
-    ckpt.tensor("d2t", (vd,), _FIX_REFETCH)
-    ckpt.tensor("norm.weight", (h,), _FIX_REFETCH)
-    raise ConfigError(
-        f"{ckpt.weights_file}: key 'fc.weight' reads the target's hidden states before layers "
-        f"2, {info.num_layers // 2} and {info.num_layers - 3} (EAGLE-3), which are not kept: "
-        "EAGLE-3 heads are not yet supported; fix: use an EAGLE-1/2 head of this target "
-        "(drafter.head=<folder>) or its own feature head (drafter=feature)")
-
-
-def load_eagle_folder(path: str, info: ModelInfo, embed: torch.Tensor | None = None
-                      ) -> EagleHead:
-    """The EAGLE-1/2 head in the folder (or hub id) ``path`` for the target ``info``; an
-    EAGLE-3 or Medusa folder gets its clear refusal."""
-    ckpt = read_checkpoint(path)
-    fmt = detect_format(ckpt)
-    if fmt == "eagle3":
-        refuse_eagle3(ckpt, info)
-    if fmt != "eagle":
-        raise ckpt.problem("fc.weight", f"is missing: this is a {fmt} checkpoint",
-                           "load it with drafter=medusa (drafter.heads=<folder>)")
-    return eagle_head_from(ckpt, info, embed)
 
 
 class EagleDraftModel:
@@ -226,17 +199,11 @@ class EagleDraftModel:
             self.w_down = w(head.down)  # [H, I]
         self.head = head
         self.target = target
+        self.layer_inputs: tuple[int, ...] = ()  # it reads h_N only
         self.ids = torch.arange(target.info.vocab_size, device=device)  # [V]: full vocabulary
         self.vocab_size = target.info.vocab_size
-        d = head.head_dim
-        same = (head.rope_theta == target.rope_theta and d == target.head_dim
-                and _same_scaling(head.rope_scaling, target.rope_scaling))
-        if same:
-            self.cos, self.sin_signed = target.cos, target.sin_signed  # [P, D]
-        else:
-            cos, sin = rope_tables(target.cos.shape[0], d, head.rope_theta, device,
-                                   head.rope_scaling)
-            self.cos, self.sin_signed = cos.to(dtype), sin.to(dtype)
+        self.cos, self.sin_signed = rope_beside(target, head.head_dim, head.rope_theta,
+                                                head.rope_scaling)  # [P, D] each
 
     @property
     def kv(self) -> KVSpec:
@@ -244,8 +211,9 @@ class EagleDraftModel:
         h = self.head
         return KVSpec(1, h.num_kv_heads, h.head_dim, self.target.dtype, self.target.device)
 
-    def features(self, final: torch.Tensor) -> torch.Tensor:
-        """``h_N [R, H]`` -> ``a = RMSNorm_g(h_N) [R, H]``, the features EAGLE reads."""
+    def features(self, final: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """``h_N [R, H]`` -> ``a = RMSNorm_g(h_N) [R, H]``, the features EAGLE reads (no
+        layer inputs: ``inputs [R, 0]``)."""
         t = self.target
         return F.rms_norm(final, (t.hidden_size,), t.final_norm, t.eps)
 
@@ -281,6 +249,17 @@ class EagleDraftModel:
     def to_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """Distributions over the draft vocabulary (the full one here) -> ``[R, V]``."""
         return probs
+
+
+def rope_beside(target: NativeLM, head_dim: int, theta: float, scaling: dict | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin_signed [P, D]`` of a head beside ``target``: the target's own tables when
+    the head's RoPE is the target's, else tables of its own (the target's dtype)."""
+    if (theta == target.rope_theta and head_dim == target.head_dim
+            and _same_scaling(scaling, target.rope_scaling)):
+        return target.cos, target.sin_signed
+    cos, sin = rope_tables(target.cos.shape[0], head_dim, theta, target.device, scaling)
+    return cos.to(target.dtype), sin.to(target.dtype)
 
 
 def _same_scaling(a: dict | None, b: dict | None) -> bool:

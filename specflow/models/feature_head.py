@@ -316,6 +316,7 @@ class FeatureDraftModel:
         with torch.no_grad():
             layer = to_native(head, device, dtype, target.packed)
             self.ids = head.vocab_ids.to(device)  # [S]
+            self.layer_inputs: tuple[int, ...] = ()  # it reads h_N only
             sub = target.lm_head.index_select(0, self.ids).contiguous()  # [S, H]
             info = ModelInfo(
                 name=f"{target.info.name}/feature-head", num_layers=1,
@@ -340,8 +341,9 @@ class FeatureDraftModel:
         """The keys/values of the head's one layer (a request's cache: ``KVCache(kv, n)``)."""
         return self.core.kv
 
-    def features(self, final: torch.Tensor) -> torch.Tensor:
-        """``h_N [R, H]`` as the head reads it: unchanged (``step`` normalises)."""
+    def features(self, final: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """``h_N [R, H]`` as the head reads it: unchanged (``step`` normalises; no layer
+        inputs: ``inputs [R, 0]``)."""
         return final
 
     @torch.inference_mode()
