@@ -2,14 +2,21 @@
 
     python scripts/gpu_check.py [--device cuda] [--dtype bfloat16] [--requests 24]
         [--tokens 128] [--hf-requests 8] [--out DIR]
+        [--target NAME_OR_FOLDER] [--head FOLDER] [--exit-layer N]
 
-SmolLM2-135M-Instruct on the first turns of ``--requests`` Spec-Bench dev questions (chat
-template), greedy, EOS honoured, at most ``--tokens`` new tokens each:
+SmolLM2-135M-Instruct (or ``--target``: a registry name or a local HF folder) on the first
+turns of ``--requests`` Spec-Bench dev questions (chat template), greedy, EOS honoured, at
+most ``--tokens`` new tokens each:
 
 - ours: plain decoding at batch 1 / 8 / 32, prompt lookup (k = 8) and prompt lookup with the
   adaptive draft length at batch 1 / 8, through the scheduler with paged KV and (on CUDA)
-  CUDA graphs.  Each configuration decodes the whole workload twice: the first pass warms
-  up (and captures every graph shape it meets), the second is timed.
+  CUDA graphs.  With ``--head`` (a published EAGLE-1/2 or EAGLE-3 folder of the target, or
+  a ``feature_head.safetensors``) also ``eagle`` (the head's chains, k = 4) and
+  ``eagle_pld`` (prompt lookup, else the head), and with ``--exit-layer`` ``layerskip``
+  (the first N layers draft 6 tokens through the shared final norm and LM head, as
+  ``+experiment=layerskip``), each at batch 1 / 8.  Each configuration decodes the whole
+  workload twice: the first pass warms up (and captures every graph shape it meets), the
+  second is timed.
 - HF ``generate`` on a separately loaded copy: plain at batch 1 and 8 (left padding), prompt
   lookup (``prompt_lookup_num_tokens=10``) at batch 1, on the first ``--hf-requests``
   requests (HF at batch 1 is slow; tokens/s is comparable across request counts).
@@ -46,10 +53,29 @@ from specflow.scheduler import Scheduler, SeqRequest  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
 from stages.draft_length import AdaptiveDraftLength  # noqa: E402
+from stages.fallback_drafter import FallbackDrafter  # noqa: E402
+from stages.feature_drafter import FeatureDrafter  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
+from stages.model_drafter import ModelDrafter  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
 
 MODEL = "smollm2-135m"
+
+
+def make_drafter(method: str, lm, args):
+    """The drafter of one configuration (``None``: plain decoding)."""
+    if method == "ar":
+        return None
+    if method in ("pld", "pld_adaptive"):
+        return PLDDrafter(k=8)
+    if method == "eagle":
+        return FeatureDrafter(lm, head=args.head, k=4)
+    if method == "eagle_pld":
+        return FallbackDrafter(PLDDrafter(k=8, min_ngram=2), FeatureDrafter(lm, head=args.head,
+                                                                            k=4))
+    if method == "layerskip":
+        return ModelDrafter(lm, exit_layer=args.exit_layer, k=6)
+    raise ValueError(method)
 
 
 def sync(device: str) -> None:
@@ -58,7 +84,7 @@ def sync(device: str) -> None:
 
 
 def ours(lm, method: str, batch: int, prompts, args, eos, layout: KVLayout) -> dict:
-    drafter = None if method == "ar" else PLDDrafter(k=8)
+    drafter = make_drafter(method, lm, args)
     policy = AdaptiveDraftLength() if method == "pld_adaptive" else None
     pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter, draft_length=policy)
     max_context = max(map(len, prompts)) + args.tokens + 16
@@ -109,12 +135,14 @@ def hf_generate(model, prompts, batch: int, max_new: int, eos, device: str, **kw
     return {"tokens": outs, "new_tokens": sum(map(len, outs)), "wall_s": wall}
 
 
-def hf_model(dtype: torch.dtype, device: str):
+def hf_model(target: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
     from specflow.models.prepare import prepared_dir
 
-    return AutoModelForCausalLM.from_pretrained(prepared_dir(MODEL), dtype=dtype).to(device).eval()
+    folder = Path(target).expanduser()
+    folder = folder if folder.is_dir() else prepared_dir(target)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
 
 
 def same(a: list[list[int]], b: list[list[int]]) -> float:
@@ -131,10 +159,15 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32", help="batch sizes of our plain decoding")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps on CUDA")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--target", default=MODEL, help="a registry name or a local HF folder")
+    ap.add_argument("--head", default=None,
+                    help="a feature head of the target: an EAGLE-1/2 or EAGLE-3 folder")
+    ap.add_argument("--exit-layer", type=int, default=None,
+                    help="LayerSkip self-speculation from this layer (early-exit-trained models)")
     args = ap.parse_args()
     start = time.perf_counter()
     dtype = getattr(torch, args.dtype)
-    loaded = load_model(MODEL, dtype="float32", backend="native", trust_remote_code=False,
+    loaded = load_model(args.target, dtype="float32", backend="native", trust_remote_code=False,
                         packed_weights=None)
     lm, tok = loaded.lm, loaded.tokenizer
     eos = tuple(lm.info.eos_token_ids)
@@ -147,13 +180,13 @@ def main() -> None:
     layout = KVLayout(kind="paged", device=args.device, dtype=args.dtype, decode=decode)
     batches = [int(b) for b in args.batches.split(",")]
     runs: dict[tuple[str, int], dict] = {}
-    plan = [("ar", b) for b in batches] + [
-        (m, b) for m in ("pld", "pld_adaptive") for b in batches[:2]
-    ]
+    methods = ["pld", "pld_adaptive"] + (["eagle", "eagle_pld"] if args.head else []) + (
+        ["layerskip"] if args.exit_layer else [])
+    plan = [("ar", b) for b in batches] + [(m, b) for m in methods for b in batches[:2]]
     for method, b in plan:
         runs[("ours_" + method, b)] = ours(lm, method, b, prompts, args, eos, layout)
         print(f"  ours_{method} b{b}: {time.perf_counter() - start:.0f}s", flush=True)
-    hf = hf_model(dtype, args.device)
+    hf = hf_model(args.target, dtype, args.device)
     few = prompts[: args.hf_requests]
     hf_generate(hf, few[:1], 1, 8, eos, args.device)  # warm-up
     runs[("hf_ar", 1)] = hf_generate(hf, few, 1, args.tokens, eos, args.device)
@@ -162,12 +195,16 @@ def main() -> None:
         hf, few, 1, args.tokens, eos, args.device, prompt_lookup_num_tokens=10
     )
     print(f"  hf: {time.perf_counter() - start:.0f}s", flush=True)
+    del hf  # before the fp32 copy (a large target's two copies need not fit together)
+    if cuda:
+        torch.cuda.empty_cache()
 
     # fp32 identity: ours plain (batch 8) vs HF plain, 4 requests x 32 tokens.
     fp32 = KVLayout(kind="paged", device=args.device, dtype="float32", decode=decode)
     small = argparse.Namespace(**{**vars(args), "tokens": 32})
     ours32 = ours(lm, "ar", 8, prompts[:4], small, eos, fp32)["tokens"]
-    hf32 = hf_generate(hf_model(torch.float32, args.device), prompts[:4], 1, 32, eos, args.device)
+    hf32 = hf_generate(hf_model(args.target, torch.float32, args.device), prompts[:4], 1, 32, eos,
+                       args.device)
     fp32_same = same(ours32, hf32["tokens"])
 
     ref = runs[("ours_ar", 1)]["tokens"]
@@ -175,7 +212,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
     print()
     print(
-        f"{gpu}; torch {torch.__version__}; {MODEL} {args.dtype}; {len(prompts)} Spec-Bench dev "
+        f"{gpu}; torch {torch.__version__}; {args.target} {args.dtype}"
+        f"{'; head ' + args.head if args.head else ''}; {len(prompts)} Spec-Bench dev "
         f"requests (HF: first {len(few)}), <= {args.tokens} new tokens, greedy; decode={decode}"
     )
     head = f"{'config':<20}{'batch':>6}{'tok/s':>10}{'vs ours b1':>12}{'vs HF':>8}{'same':>7}"

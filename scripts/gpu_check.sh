@@ -7,7 +7,9 @@
 # Prints the machine, the CUDA unit tests' result (when pytest is there), and one table:
 # ours plain b1/b8/b32, pld and pld+adaptive b1/b8, HF generate plain b1/b8 and prompt lookup
 # b1 on the same prompts; tokens/s, ratios, fidelity, kernels used, CUDA graphs captured
-# (scripts/gpu_check.py).  With $OUT set, gpu_check.json is written there.
+# (scripts/gpu_check.py).  With $OUT set, gpu_check.json is written there.  Arguments are
+# passed on: --target FOLDER --head EAGLE_FOLDER (EAGLE-1/2/3) or --exit-layer N (LayerSkip)
+# time a published pair too (docs/draft-checkpoints.md, "On a GPU").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
