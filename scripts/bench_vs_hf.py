@@ -8,7 +8,10 @@ Pairs measured side by side, interleaved per prompt (so machine drift hits all e
   ours sps (draft model, k)      vs  HF generate(assistant_model=drafter)
   ours pld (prompt lookup, k)    vs  HF generate(prompt_lookup_num_tokens=10)
 plus ours with the adaptive draft length, and the training-free token trees
-(``ours_suffix_recycle``, ``ours_recycle``, ``ours_suffix``: conf/drafter/suffix_recycle.yaml).
+(``ours_suffix_recycle``, ``ours_recycle``, ``ours_suffix``: conf/drafter/suffix_recycle.yaml;
+with a draft model also merged with its chain: ``ours_model_and_tree``,
+conf/drafter/model_and_tree.yaml, and ``ours_suffix_then_model_and_tree``: the suffix tree
+alone where it matches 3 tokens or more).
 Beside tokens/s end to end it reports time to first token (TTFT: prefill and the first
 round) and time per output token after it (TPOT), each method's TPOT against ours plain,
 and for ours the verify rows per round and a round's verify cost in plain steps.
@@ -59,6 +62,7 @@ from stages.draft_length import AdaptiveDraftLength  # noqa: E402
 from stages.fallback_drafter import FallbackDrafter  # noqa: E402
 from stages.feature_drafter import FeatureDrafter  # noqa: E402
 from stages.full_verifier import FullVerifier  # noqa: E402
+from stages.merged_tree_drafter import MergedTreeDrafter  # noqa: E402
 from stages.model_drafter import ModelDrafter  # noqa: E402
 from stages.pld_drafter import PLDDrafter  # noqa: E402
 from stages.token_tree_drafter import TokenTreeDrafter  # noqa: E402
@@ -267,6 +271,25 @@ def main() -> None:
                 TokenTreeDrafter(target.lm, k=8, branches=3, max_nodes=12,
                                  suffix=SuffixIndex(max_ngram=6, min_ngram=2, max_matches=16)),
                 ModelDrafter(drafter.lm, k=args.k),
+            )
+        )
+
+        def model_and_tree() -> MergedTreeDrafter:  # conf/drafter/model_and_tree.yaml
+            return MergedTreeDrafter(
+                ModelDrafter(drafter.lm, k=args.k),
+                TokenTreeDrafter(target.lm, k=8, branches=3, max_nodes=4,
+                                 suffix=SuffixIndex(max_ngram=6, min_ngram=1, max_matches=16),
+                                 recycling=RecyclingTable(width=8)),
+                extra_nodes=4,
+            )
+
+        ours["ours_model_and_tree"] = SpeculativePipeline(
+            verifier, StandardAcceptor(), drafter=model_and_tree())
+        ours["ours_suffix_then_model_and_tree"] = SpeculativePipeline(
+            verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                TokenTreeDrafter(target.lm, k=8, branches=3, max_nodes=12,
+                                 suffix=SuffixIndex(max_ngram=6, min_ngram=3, max_matches=16)),
+                model_and_tree(),
             )
         )
         ours["ours_pld_sps_adaptive"] = SpeculativePipeline(

@@ -24,6 +24,7 @@ from specflow.tree_plan import AcceptanceCalibration, Candidate, grow_tree, plan
 from stages.draft_length import AdaptiveDraftLength
 from stages.fallback_drafter import FallbackDrafter
 from stages.full_verifier import FullVerifier
+from stages.merged_tree_drafter import MergedTreeDrafter, merge
 from stages.model_drafter import ModelDrafter
 from stages.pld_drafter import PLDDrafter
 from stages.pool_drafter import PoolDrafter
@@ -194,6 +195,9 @@ def build(method: str, lm) -> SpeculativePipeline:
         first = TokenTreeDrafter(lm, k=4, branches=3, suffix=SuffixIndex(max_ngram=4,
                                                                           min_ngram=2))
         return pipe(FallbackDrafter(first, ModelDrafter(draft_model(), k=3)))
+    if method == "model_and_tree":  # conf/drafter/model_and_tree.yaml
+        return pipe(MergedTreeDrafter(ModelDrafter(draft_model(), k=3),
+                                      tree_drafter(lm, k=4, max_nodes=4), extra_nodes=4))
     raise ValueError(method)
 
 
@@ -208,7 +212,7 @@ def draft_model():
 
 
 METHODS = ["suffix_recycle", "recycle", "suffix", "chains", "pld_then_tree", "pool_arm",
-           "adaptive", "suffix_then_model"]
+           "adaptive", "suffix_then_model", "model_and_tree"]
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
@@ -226,6 +230,54 @@ def test_token_trees_give_hf_greedy_tokens(method, batch_size, kind, target):
     assert sum(g.stats.accepted for g in gens) > 0
     trees = sum(g.stats.tree_rounds for g in gens)
     assert (trees == 0) == (method == "chains")
+
+
+def test_merge_puts_the_chain_first_and_shares_equal_nodes():
+    """The chain 5 6 7 is nodes 0..2; the tree's 5 (root) and 6 under it are the chain's
+    nodes, its 9 under 5 and 8 (root) are added, its 4 under 8 is beyond ``extra_nodes``,
+    its 3 under that 4 is left out with it."""
+    tokens, parents, tree_at = merge([5, 6, 7], [5, 8, 6, 9, 4, 3], [-1, -1, 0, 0, 1, 4], 2)
+    assert tokens == [5, 6, 7, 8, 9]
+    assert parents == [-1, 0, 1, -1, 0]
+    assert tree_at == [0, 3, 1, 4, -1, -1]
+    # A chain tree: its nodes continue each other.
+    assert merge([5, 6], [5, 7], None, 4) == ([5, 6, 7], [-1, 0, 0], [0, 2])
+
+
+def test_a_merged_round_shows_each_drafter_its_own_draft(target):
+    """The target kept the tree's branch 5 -> 9: the chain drafter sees its first token
+    kept; the tree drafter sees its own nodes, their rows of the target's logits and the
+    path 5 -> 9 in its own numbering."""
+    from specflow.state import Acceptance, DecodeState, Draft
+
+    seen: dict = {}
+
+    class Fixed:
+        """A drafter that proposes one fixed draft and records what it observes."""
+
+        def __init__(self, name: str, draft: Draft, branches: int) -> None:
+            self.name, self.draft, self.branches, self.k = name, draft, branches, 4
+
+        def propose(self, states, asked):
+            return [self.draft for _ in states]
+
+        def observe(self, states, drafts, target_logits, verdicts):
+            seen[self.name] = (drafts[0], target_logits[0], verdicts[0])
+
+    chain = Fixed("chain", Draft([5, 6, 7]), 1)
+    tree = Fixed("tree", Draft([5, 8, 6, 9], parents=[-1, -1, 0, 0]), 3)
+    merged = MergedTreeDrafter(chain, tree, extra_nodes=4)
+    st = DecodeState(tokens=[1, 2], prompt_len=2, max_len=32)
+    [draft] = merged.propose([st], [4])
+    assert draft.tokens == [5, 6, 7, 8, 9] and draft.parents == [-1, 0, 1, -1, 0]
+    logits = torch.arange(6.0)[:, None].repeat(1, 3)  # row r holds r
+    merged.observe([st], [draft], [logits], [Acceptance(2, 42, path=[0, 4])])
+    c_draft, c_logits, c_verdict = seen["chain"]
+    assert c_draft.tokens == [5, 6, 7] and c_logits[:, 0].tolist() == [0, 1, 2, 3]
+    assert (c_verdict.num_accepted, c_verdict.next_token) == (1, 42)
+    t_draft, t_logits, t_verdict = seen["tree"]
+    assert t_draft.tokens == [5, 8, 6, 9] and t_logits[:, 0].tolist() == [0, 1, 4, 2, 5]
+    assert (t_verdict.num_accepted, t_verdict.path) == (2, [0, 3])
 
 
 def test_recycled_logits_draft_what_the_target_said_before(target):
@@ -309,6 +361,39 @@ def test_sampled_requests_draft_chains_and_follow_the_target_law(target):
     assert pvalue > 1e-3, (pvalue, counts)
     assert sum(r.generation.stats.drafted for r in results) > 0
     assert [r.generation.tokens for r in again] == [r.generation.tokens for r in results]
+
+
+def test_model_and_tree_samples_chains_with_the_models_q(target):
+    """Sampled requests (batch 3, paged, rejection sampling) get the draft model's chain
+    with its q, never a merged tree: the joint law of two sampled tokens is the target's."""
+    _, lm = target
+    sampling = SamplingParams(temperature=1.0, top_k=3)
+    prompt = [1, 5, 9]
+    law = two_token_law(lm, prompt, sampling)
+    trials = 600
+    draft = MergedTreeDrafter(ModelDrafter(draft_model(), k=2), tree_drafter(lm), 4)
+    propose = draft.propose
+
+    def chains_with_q(states, asked):
+        drafts = propose(states, asked)
+        assert all(d.parents is None and (d.probs is not None or not d.tokens)
+                   for d in drafts)
+        return drafts
+
+    draft.propose = chains_with_q
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=draft)
+    sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=16)
+    reqs = [SeqRequest(prompt, 2, seed=s, stop_token_ids=()) for s in range(trials)]
+    results = sched.generate(reqs, sampling)
+    counts = dict.fromkeys(law, 0)
+    for r in results:
+        counts[tuple(r.generation.tokens)] += 1
+    cells = list(law)
+    total = sum(law.values())
+    pvalue = chisquare([counts[c] for c in cells], [law[c] / total * trials for c in cells]
+                       ).pvalue
+    assert pvalue > 1e-3, (pvalue, counts)
+    assert sum(r.generation.stats.drafted for r in results) > 0
 
 
 def test_observe_recycles_every_verified_row_and_calibrates(target):
