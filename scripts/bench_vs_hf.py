@@ -11,7 +11,8 @@ plus ours with the adaptive draft length, and the training-free token trees
 (``ours_suffix_recycle``, ``ours_recycle``, ``ours_suffix``: conf/drafter/suffix_recycle.yaml;
 with a draft model also merged with its chain: ``ours_model_and_tree``,
 conf/drafter/model_and_tree.yaml, and ``ours_suffix_then_model_and_tree``: the suffix tree
-alone where it matches 3 tokens or more).
+alone where it matches 3 tokens or more; and ``ours_pld_tree_sps_k4``/``_k6``: prompt lookup,
+else the draft model drafting k tokens, itself sped up by the token trees it verifies).
 Beside tokens/s end to end it reports time to first token (TTFT: prefill and the first
 round) and time per output token after it (TPOT), each method's TPOT against ours plain,
 and for ours the verify rows per round and a round's verify cost in plain steps.
@@ -283,6 +284,19 @@ def main() -> None:
                 extra_nodes=4,
             )
 
+        def tree_sps(k: int) -> SpeculativePipeline:  # conf/drafter/tree_model.yaml
+            # The 0.5B drafts k tokens a round, itself sped up by token trees it verifies.
+            return SpeculativePipeline(
+                FullVerifier(drafter.lm), StandardAcceptor(), level="draft", k=k,
+                drafter=TokenTreeDrafter(
+                    drafter.lm, k=8, branches=3, max_nodes=12,
+                    suffix=SuffixIndex(max_ngram=6, min_ngram=1, max_matches=16),
+                    recycling=RecyclingTable(width=8)),
+            )
+
+        for k in (4, 6):  # conf/drafter/pld_then_tree_model.yaml
+            ours[f"ours_pld_tree_sps_k{k}"] = SpeculativePipeline(
+                verifier, StandardAcceptor(), drafter=FallbackDrafter(fallback_pld(), tree_sps(k)))
         ours["ours_model_and_tree"] = SpeculativePipeline(
             verifier, StandardAcceptor(), drafter=model_and_tree())
         ours["ours_suffix_then_model_and_tree"] = SpeculativePipeline(

@@ -195,6 +195,11 @@ def build(method: str, lm) -> SpeculativePipeline:
         first = TokenTreeDrafter(lm, k=4, branches=3, suffix=SuffixIndex(max_ngram=4,
                                                                           min_ngram=2))
         return pipe(FallbackDrafter(first, ModelDrafter(draft_model(), k=3)))
+    if method == "pld_then_tree_model":  # conf/drafter/pld_then_tree_model.yaml: the draft
+        # model, sped up by the trees it verifies, drafts chains for the target
+        inner = SpeculativePipeline(FullVerifier(draft_model()), StandardAcceptor(),
+                                    drafter=tree_drafter(draft_model()), level="draft", k=4)
+        return pipe(FallbackDrafter(PLDDrafter(k=4, min_ngram=2), inner))
     if method == "model_and_tree":  # conf/drafter/model_and_tree.yaml
         return pipe(MergedTreeDrafter(ModelDrafter(draft_model(), k=3),
                                       tree_drafter(lm, k=4, max_nodes=4), extra_nodes=4))
@@ -212,7 +217,8 @@ def draft_model():
 
 
 METHODS = ["suffix_recycle", "recycle", "suffix", "chains", "pld_then_tree", "pool_arm",
-           "adaptive", "suffix_then_model", "model_and_tree"]
+           "adaptive", "suffix_then_model", "model_and_tree", "pld_then_tree_model"]
+CHAINS_ONLY = ("chains", "pld_then_tree_model")  # the target verifies chains only
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
@@ -220,16 +226,30 @@ METHODS = ["suffix_recycle", "recycle", "suffix", "chains", "pld_then_tree", "po
 @pytest.mark.parametrize("method", METHODS)
 def test_token_trees_give_hf_greedy_tokens(method, batch_size, kind, target):
     """Every prompt twice (the second time the table and the index know the first):
-    HF's greedy tokens, with trees verified (where the drafter may draft them) and some of
-    their tokens accepted."""
+    HF's greedy tokens, with trees verified (where the drafter may draft them: by the
+    target, or by the draft model in ``pld_then_tree_model``) and some of their tokens
+    accepted."""
     hf, lm = target
     prompts = PROMPTS * 2
-    gens, sched = decode(build(method, lm), batch_size, kind, prompts, MAX_NEW)
+    pipe = build(method, lm)
+    inner_trees = []  # pld_then_tree_model: the trees the draft model verified
+    if method == "pld_then_tree_model":
+        tree = pipe.drafter.then.drafter
+        propose = tree.propose
+
+        def counted(states, asked):
+            drafts = propose(states, asked)
+            inner_trees.extend(d for d in drafts if d.parents is not None)
+            return drafts
+
+        tree.propose = counted
+    gens, sched = decode(pipe, batch_size, kind, prompts, MAX_NEW)
     assert [g.tokens for g in gens] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     assert max(sched.stats.occupancy) == batch_size
     assert sum(g.stats.accepted for g in gens) > 0
     trees = sum(g.stats.tree_rounds for g in gens)
-    assert (trees == 0) == (method == "chains")
+    assert (trees == 0) == (method in CHAINS_ONLY)
+    assert (len(inner_trees) > 0) == (method == "pld_then_tree_model")
 
 
 def test_merge_puts_the_chain_first_and_shares_equal_nodes():
