@@ -135,8 +135,7 @@ class MergedTreeDrafter:
         for i, st in enumerate(states):
             chain, tree = chains[i], tree_of.get(i)
             if tree is None or not tree.tokens:
-                self._rounds.set(st, MergedRound(chain, tree, [-1] * len(tree.tokens)
-                                                 if tree is not None else []))
+                self._rounds.set(st, MergedRound(chain, tree, []))
                 drafts.append(chain)
                 continue
             tokens, parents, tree_at = merge(chain.tokens, tree.tokens, tree.parents,

@@ -80,6 +80,20 @@ def two_token_law(lm, prompt: list[int], sampling) -> dict[tuple[int, int], floa
     return law
 
 
+def law_pvalue(results, law: dict[tuple[int, int], float]) -> float:
+    """The chi-square p-value of the scheduler ``results``' two-token outputs against the
+    target's exact ``law`` (``two_token_law``)."""
+    from scipy.stats import chisquare
+
+    counts = dict.fromkeys(law, 0)
+    for r in results:
+        counts[tuple(r.generation.tokens)] += 1
+    cells = list(law)
+    total = sum(law.values())  # 1 up to float32 rounding; chisquare wants the sums equal
+    expected = [law[c] / total * len(results) for c in cells]
+    return chisquare([counts[c] for c in cells], expected).pvalue
+
+
 class CharTokenizer:
     """A tokenizer for runner tests: one id per character, no chat template."""
 

@@ -7,7 +7,8 @@ Each checkpoint is written here in the layout ``SafeAILab/EAGLE`` publishes for 
 ``layers.0.*``), ``norm.weight``, ``lm_head.weight``, ``d2t`` int64, ``t2d`` bool; float16
 tensors).  ``paper_eagle3`` is EAGLE-3's draft forward written from the paper, independently
 of ``specflow.models.eagle3_head``: the features are HF's ``hidden_states[l]`` (the input of
-decoder layer ``l``) of three layers, rotate-half RoPE, repeated KV heads, a causal softmax.
+decoder layer ``l``) of three layers; its decoder layer is ``test_published_heads.paper_layer``
+(rotate-half RoPE, repeated KV heads, a causal softmax) with q/k/v reading 2H.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from scipy.stats import chisquare
 
 from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
@@ -37,8 +37,9 @@ from stages.full_verifier import FullVerifier
 from stages.pld_drafter import PLDDrafter
 from stages.pool_drafter import PoolDrafter
 from stages.round_robin_selector import RoundRobinSelector
-from tests.conftest import hf_greedy, make_pair, two_token_law
+from tests.conftest import hf_greedy, law_pvalue, make_pair, two_token_law
 from tests.test_one_engine import decode
+from tests.test_published_heads import _rms, paper_layer
 
 PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6], [2], [7, 7, 7, 7, 7, 7],
            [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]]
@@ -105,43 +106,16 @@ def draft_vocab(vocab: int, size: int, seed: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the paper's forward
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
 def paper_eagle3(sd: dict, cfg: dict, embed: torch.Tensor, x: torch.Tensor,
                  tokens: torch.Tensor) -> torch.Tensor:
     """EAGLE-3's decoder layer over a whole sequence: ``x [T, H]`` (``fc`` of the target's
     features, or fed-back outputs) and ``tokens [T]`` (row p: t_{p+1}) -> ``[T, H]``."""
     s = {k: v.float() for k, v in sd.items()}
     pre = "layers.0." if "layers.0.hidden_norm.weight" in s else "midlayer."
-    nh, kh, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]
-    t, h = x.shape
-    d = h // nh
+    eps = cfg["rms_norm_eps"]
     u = torch.cat([_rms(embed[tokens], s[pre + "input_layernorm.weight"], eps),
                    _rms(x, s[pre + "hidden_norm.weight"], eps)], -1)  # [T, 2H]
-    a = pre + "self_attn."
-    q = (u @ s[a + "q_proj.weight"].T).view(t, nh, d)
-    k = (u @ s[a + "k_proj.weight"].T).view(t, kh, d)
-    v = (u @ s[a + "v_proj.weight"].T).view(t, kh, d)
-    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
-    ang = torch.arange(t).float()[:, None] * inv
-    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    k, v = k.repeat_interleave(nh // kh, dim=1), v.repeat_interleave(nh // kh, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
-    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
-    att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, nh * d)
-    y = x + att @ s[a + "o_proj.weight"].T
-    m = pre + "mlp."
-    z = _rms(y, s[pre + "post_attention_layernorm.weight"], eps)
-    return y + (F.silu(z @ s[m + "gate_proj.weight"].T) * (z @ s[m + "up_proj.weight"].T)) \
-        @ s[m + "down_proj.weight"].T
+    return paper_layer(s, pre, cfg, u, x)
 
 
 def paper_draft(hf, sd: dict, cfg: dict, committed: list[int], layers: tuple[int, ...],
@@ -424,14 +398,8 @@ def test_sampling_with_a_draft_vocabulary_follows_the_target_law(target, trained
     sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=24)
     reqs = [SeqRequest(prompt, 2, seed=s, stop_token_ids=()) for s in range(trials)]
     results = sched.generate(reqs, sampling)
-    counts = dict.fromkeys(law, 0)
-    for r in results:
-        counts[tuple(r.generation.tokens)] += 1
-    cells = list(law)
-    total = sum(law.values())
-    pvalue = chisquare([counts[c] for c in cells], [law[c] / total * trials for c in cells]
-                       ).pvalue
-    assert pvalue > 1e-3, (pvalue, counts)
+    pvalue = law_pvalue(results, law)
+    assert pvalue > 1e-3, pvalue
     assert sum(r.generation.stats.accepted for r in results) > 100
     one = generate(pipe, prompt, 2, sampling, seed=7, stop_token_ids=()).tokens
     assert next(r for r in results if r.request.seed == 7).generation.tokens == one

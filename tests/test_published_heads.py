@@ -112,14 +112,23 @@ def paper_eagle(sd: dict[str, torch.Tensor], cfg: dict, embed: torch.Tensor,
     last hidden states, or fed-back predictions) and ``tokens [T]`` (row p: t_{p+1}) ->
     predicted features ``[T, H]``; row p attends to rows <= p."""
     s = {k: v.float() for k, v in sd.items()}
-    nh, kh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    t, h = feats.shape
-    d = h // nh
     x = torch.cat([embed[tokens], feats], -1) @ s["fc.weight"].T + s["fc.bias"]  # no norm
-    a = "layers.0.self_attn."
-    q = (x @ s[a + "q_proj.weight"].T + s.get(a + "q_proj.bias", 0)).view(t, nh, d)
-    k = (x @ s[a + "k_proj.weight"].T + s.get(a + "k_proj.bias", 0)).view(t, kh, d)
-    v = (x @ s[a + "v_proj.weight"].T + s.get(a + "v_proj.bias", 0)).view(t, kh, d)
+    return paper_layer(s, "layers.0.", cfg, x, x)
+
+
+def paper_layer(s: dict[str, torch.Tensor], pre: str, cfg: dict, u: torch.Tensor,
+                x: torch.Tensor) -> torch.Tensor:
+    """An EAGLE head's decoder layer (float32 state ``s``, keys under ``pre``) over a whole
+    sequence: q/k/v read ``u [T, H or 2H]`` (biases where ``s`` holds them), rotate-half RoPE,
+    repeated KV heads, causal softmax, the residual ``x [T, H]``, then the post-attention
+    norm and SwiGLU MLP -> ``[T, H]``."""
+    nh, kh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    t, h = x.shape
+    d = h // nh
+    a = pre + "self_attn."
+    q = (u @ s[a + "q_proj.weight"].T + s.get(a + "q_proj.bias", 0)).view(t, nh, d)
+    k = (u @ s[a + "k_proj.weight"].T + s.get(a + "k_proj.bias", 0)).view(t, kh, d)
+    v = (u @ s[a + "v_proj.weight"].T + s.get(a + "v_proj.bias", 0)).view(t, kh, d)
     inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
     ang = torch.arange(t).float()[:, None] * inv
     cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
@@ -129,8 +138,8 @@ def paper_eagle(sd: dict[str, torch.Tensor], cfg: dict, embed: torch.Tensor,
     scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
     att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, nh * d)
     y = x + att @ s[a + "o_proj.weight"].T
-    m = "layers.0.mlp."
-    z = _rms(y, s["layers.0.post_attention_layernorm.weight"], cfg["rms_norm_eps"])
+    m = pre + "mlp."
+    z = _rms(y, s[pre + "post_attention_layernorm.weight"], cfg["rms_norm_eps"])
     return y + (F.silu(z @ s[m + "gate_proj.weight"].T) * (z @ s[m + "up_proj.weight"].T)) \
         @ s[m + "down_proj.weight"].T
 

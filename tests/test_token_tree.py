@@ -30,7 +30,7 @@ from stages.pld_drafter import PLDDrafter
 from stages.pool_drafter import PoolDrafter
 from stages.round_robin_selector import RoundRobinSelector
 from stages.token_tree_drafter import TokenTreeDrafter, recycle_bin, suffix_bin
-from tests.conftest import hf_greedy, make_pair, two_token_law
+from tests.conftest import hf_greedy, law_pvalue, make_pair, two_token_law
 from tests.test_one_engine import MAX_NEW, PROMPTS, decode
 
 # ---------------------------------------------------------------- the planner
@@ -405,14 +405,8 @@ def test_model_and_tree_samples_chains_with_the_models_q(target):
     sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=16)
     reqs = [SeqRequest(prompt, 2, seed=s, stop_token_ids=()) for s in range(trials)]
     results = sched.generate(reqs, sampling)
-    counts = dict.fromkeys(law, 0)
-    for r in results:
-        counts[tuple(r.generation.tokens)] += 1
-    cells = list(law)
-    total = sum(law.values())
-    pvalue = chisquare([counts[c] for c in cells], [law[c] / total * trials for c in cells]
-                       ).pvalue
-    assert pvalue > 1e-3, (pvalue, counts)
+    pvalue = law_pvalue(results, law)
+    assert pvalue > 1e-3, pvalue
     assert sum(r.generation.stats.drafted for r in results) > 0
 
 

@@ -188,10 +188,9 @@ class ModelSession:
         # contiguous block(s) the last layer computed, trimmed at every set_tokens.
         self.final_hidden: torch.Tensor | None = None
         self.final_start = 0
-        # Decoder layers whose inputs are kept beside h_N (``keep_layer_inputs``), in order;
-        # held[l]: layer l's input rows of positions [computed(N-1), computed(l)), consumed
+        # Decoder layers whose inputs are kept beside h_N (``keep_layer_inputs``), in order:
+        # held[l] is layer l's input rows of positions [computed(N-1), computed(l)), consumed
         # by the last layer (appended to final_hidden's rows as columns H*(1+j) ..).
-        self.layer_inputs: tuple[int, ...] = ()
         self.held: dict[int, torch.Tensor | None] = {}
         # The first position whose h_N a feature drafter still has to read (None: nobody
         # reads h_N beyond the current round; see ``retain_final_from``).
@@ -393,6 +392,11 @@ class ModelSession:
         position, also after rounds it did not draft in)."""
         self.final_floor = position
 
+    @property
+    def layer_inputs(self) -> tuple[int, ...]:
+        """The decoder layers whose inputs are kept beside ``h_N``, in order (``()``: none)."""
+        return tuple(self.held)
+
     def keep_layer_inputs(self, layers: tuple[int, ...]) -> None:
         """Keep the inputs of decoder ``layers`` (0: the embeddings; in this order) beside
         ``h_N`` for every position the last layer computes from now on (module doc; read
@@ -410,7 +414,6 @@ class ModelSession:
                 f"keep_layer_inputs({list(layers)}) after the session computed positions "
                 f"(or kept {list(self.layer_inputs)}): declare them (the stage's uses()) "
                 "before the pipeline's begin")
-        self.layer_inputs = layers
         self.held = dict.fromkeys(layers)
 
     def final_end(self) -> int:
@@ -477,10 +480,10 @@ class ModelSession:
     def _with_inputs(self, out: torch.Tensor) -> torch.Tensor:
         """The last layer's ``out [r, H]`` followed by the held inputs of the same ``r``
         positions (the oldest held rows, then dropped): ``[r, H * (1 + k)]``."""
-        if not self.layer_inputs:
+        if not self.held:
             return out
         r, parts = out.shape[0], [out]
-        for layer in self.layer_inputs:
+        for layer in self.held:
             held = self.held[layer]
             assert held is not None and held.shape[0] >= r, (layer, r)
             parts.append(held[:r])
@@ -673,7 +676,7 @@ def _static_forward(static: StaticPath, queries: list[Query]) -> list[torch.Tens
     (likewise), and no session lays out a token tree (the static path's rows are chains)."""
     for sess, exit_layer, start, _ in queries:
         depth = sess.num_layers
-        if (exit_layer != depth or sess.adapters or sess.tree is not None or sess.layer_inputs
+        if (exit_layer != depth or sess.adapters or sess.tree is not None or sess.held
                 or any(sess.computed(layer) != start for layer in range(depth))):
             static.note_eager()
             return None

@@ -42,7 +42,7 @@ from specflow.errors import ConfigError
 from specflow.kv.base import KVSpec, LayerBatch, ModelInfo
 from specflow.models.checkpoint_files import Checkpoint
 from specflow.models.decoder_params import place_matrix, place_vector
-from specflow.models.eagle_head import check_target, llama3_rope, rope_beside, rope_theta_of
+from specflow.models.eagle_head import HeadLayer, check_target, llama3_rope, rope_theta_of
 from specflow.models.native import NativeLM, linear, packing_available
 
 _FIX_REFETCH = "fetch the checkpoint folder again, as published (config.json + weights)"
@@ -191,8 +191,10 @@ def eagle3_head_from(ckpt: Checkpoint, info: ModelInfo, embed: torch.Tensor | No
 class Eagle3DraftModel:
     """An ``Eagle3Head`` placed beside a target ``NativeLM`` (a ``FeatureHeadRunner``).
 
-    Weights on the target's device and dtype (packed where the target is); the layer runs on
-    the head's own keys/values (``kv``: one layer) through the batch's attention backend.
+    ``fc``, the norms, the LM head and the layer (``eagle_head.HeadLayer``, the same as an
+    EAGLE-1/2 head's) on the target's device and dtype (packed where the target is); the
+    layer runs on the head's own keys/values (``kv``: one layer) through the batch's
+    attention backend.
     """
 
     def __init__(self, head: Eagle3Head, target: NativeLM) -> None:
@@ -207,27 +209,20 @@ class Eagle3DraftModel:
 
         with torch.no_grad():
             self.fc_w, self.fc_b = w(head.fc_w), v(head.fc_b)  # [H, kH], [H]
-            self.wqkv = w(torch.cat([head.wq, head.wk, head.wv]))  # [(NH + 2KH) D, 2H]
-            self.bqkv = None if head.bq is None else v(torch.cat([head.bq, head.bk, head.bv]))
-            self.wo = w(head.wo)  # [H, NH D]
             self.ln_in, self.ln_hid = v(head.ln_in), v(head.ln_hid)  # [H] each
-            self.ln_post, self.norm = v(head.ln_post), v(head.norm)  # [H] each
-            self.w_gate_up = w(torch.cat([head.gate, head.up]))  # [2I, H]
-            self.w_down = w(head.down)  # [H, I]
+            self.norm = v(head.norm)  # [H]
             self.lm_head = w(head.lm_head)  # [V_d, H]
+        self.layer = HeadLayer.place(head, head.ln_post, target)  # q/k/v read 2H
         self.head = head
         self.target = target
         self.layer_inputs = head.layer_inputs
         self.ids = head.ids.to(device)  # [V_d]: the target's token of each draft token
         self.vocab_size = target.info.vocab_size
-        self.cos, self.sin_signed = rope_beside(target, head.head_dim, head.rope_theta,
-                                                head.rope_scaling)  # [P, D] each
 
     @property
     def kv(self) -> KVSpec:
         """The keys/values of the head's one layer (a request's cache: ``KVCache(kv, n)``)."""
-        h = self.head
-        return KVSpec(1, h.num_kv_heads, h.head_dim, self.target.dtype, self.target.device)
+        return self.layer.kv(self.target)
 
     def features(self, final: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """``g [R, k H]`` (the kept layer inputs; ``h_N`` unused) -> ``x = W_fc g [R, H]``."""
@@ -240,27 +235,12 @@ class Eagle3DraftModel:
         """``x [R, H]`` (``fc`` of target features, or fed-back predictions) and ``t_{p+1}
         [R]`` of the packed rows of a ragged batch -> ``x^ [R, H]``; appends the rows to
         each request's cache."""
-        h = self.head
-        r = self.target.min_rows
-        memo: dict = {}
         emb = self.target.embed(next_ids)  # [R, H]
         x = feats.to(emb.dtype)
-        hid = x.shape[-1]
-        u = torch.cat([F.rms_norm(emb, (hid,), self.ln_in, h.eps),
-                       F.rms_norm(x, (hid,), self.ln_hid, h.eps)], dim=-1)  # [R, 2H]
-        attention = batch[0][0].attention
-        rows = attention.positions(batch, memo)  # [R] positions
-        n, nh, kh, d = x.shape[0], h.num_heads, h.num_kv_heads, h.head_dim
-        qkv = linear(u, self.wqkv, self.bqkv, r)  # [R, (NH + 2KH) D]
-        qk = qkv[:, : (nh + kh) * d].view(n, nh + kh, d)  # [R, NH + KH, D]
-        val = qkv[:, (nh + kh) * d :].view(n, kh, d)  # [R, KH, D]
-        cos, sin = self.cos[rows].unsqueeze(1), self.sin_signed[rows].unsqueeze(1)
-        qk = qk * cos + qk.roll(d // 2, -1) * sin
-        att = attention.attend(qk[:, :nh], qk[:, nh:], val, batch, d**-0.5, memo)  # [R, NH, D]
-        y = x + linear(att.reshape(n, nh * d), self.wo, None, r)  # [R, H]
-        z = F.rms_norm(y, (hid,), self.ln_post, h.eps)
-        gate, up = linear(z, self.w_gate_up, None, r).chunk(2, dim=-1)  # [R, I] each
-        return y + linear(F.silu(gate) * up, self.w_down, None, r)  # [R, H]
+        hid, eps = x.shape[-1], self.head.eps
+        u = torch.cat([F.rms_norm(emb, (hid,), self.ln_in, eps),
+                       F.rms_norm(x, (hid,), self.ln_hid, eps)], dim=-1)  # [R, 2H]
+        return self.layer.run(u, x, batch, self.target.min_rows)
 
     @torch.no_grad()
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:

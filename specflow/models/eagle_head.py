@@ -31,6 +31,7 @@ target's embedding, and a head exported here carries the target's weights finger
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -172,15 +173,58 @@ def llama3_rope(config: dict) -> dict | None:
     return None
 
 
-class EagleDraftModel:
-    """An ``EagleHead`` placed beside a target ``NativeLM`` (a ``FeatureHeadRunner``).
+class LayerWeights(Protocol):
+    """What ``HeadLayer.place`` reads of a head (``EagleHead``, ``eagle3_head.Eagle3Head``):
+    its attention and MLP weights (float32, CPU; shapes in their class docs), shape and RoPE."""
 
-    Weights on the target's device and dtype (packed where the target is); the layer runs
-    on the head's own keys/values (``kv``: one layer of the head's attention shape) through
-    the batch's attention backend, as the target's layers do.
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+
+
+@dataclass(frozen=True)
+class HeadLayer:
+    """An EAGLE head's one decoder layer placed beside a target (EAGLE-1/2 and EAGLE-3 alike):
+
+        y   = x + W_o Attn(RoPE(W_q u), RoPE(W_k u), W_v u)            [R, H]
+        out = y + W_down( silu(W_gate n(y)) * W_up n(y) )               [R, H]
+
+    with ``u = x`` (EAGLE-1/2) or ``u = [RMSNorm_in(e); RMSNorm_hid(x)]`` (EAGLE-3: q/k/v read
+    2H) and ``n`` the post-attention RMSNorm (``ln_post``).  Weights on the target's device and
+    dtype, packed where the target is; ``cos``/``sin_signed [P, D]``: ``rope_beside``.
     """
 
-    def __init__(self, head: EagleHead, target: NativeLM) -> None:
+    wqkv: torch.Tensor  # [(NH + 2KH) D, H or 2H]
+    bqkv: torch.Tensor | None  # [(NH + 2KH) D]
+    wo: torch.Tensor  # [H, NH D]
+    ln_post: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [2I, H]
+    w_down: torch.Tensor  # [H, I]
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+    @classmethod
+    def place(cls, head: LayerWeights, ln_post: torch.Tensor, target: NativeLM
+              ) -> HeadLayer:
+        """The layer of ``head`` beside the placed ``target``, ``ln_post [H]`` its
+        post-attention norm."""
         device, dtype = target.device, target.dtype
         packed = target.packed and packing_available(device, dtype)
 
@@ -188,28 +232,68 @@ class EagleDraftModel:
             return place_matrix(t, device, dtype, packed)
 
         with torch.no_grad():
-            self.fc_w = w(head.fc_w)  # [H, 2H]
-            self.fc_b = place_vector(head.fc_b, device, dtype)  # [H]
-            self.wqkv = w(torch.cat([head.wq, head.wk, head.wv]))  # [(NH + 2KH) D, H]
-            self.bqkv = None if head.bq is None else place_vector(
+            bqkv = None if head.bq is None else place_vector(
                 torch.cat([head.bq, head.bk, head.bv]), device, dtype)
-            self.wo = w(head.wo)  # [H, NH D]
-            self.ln2 = place_vector(head.ln2, device, dtype)  # [H]
-            self.w_gate_up = w(torch.cat([head.gate, head.up]))  # [2I, H]
-            self.w_down = w(head.down)  # [H, I]
+            cos, sin = rope_beside(target, head.head_dim, head.rope_theta, head.rope_scaling)
+            return cls(w(torch.cat([head.wq, head.wk, head.wv])), bqkv, w(head.wo),
+                       place_vector(ln_post, device, dtype),
+                       w(torch.cat([head.gate, head.up])), w(head.down), cos, sin,
+                       head.num_heads, head.num_kv_heads, head.head_dim, head.eps)
+
+    def kv(self, target: NativeLM) -> KVSpec:
+        """The keys/values of the layer (a request's cache: ``KVCache(kv, n)``)."""
+        return KVSpec(1, self.num_kv_heads, self.head_dim, target.dtype, target.device)
+
+    def run(self, u: torch.Tensor, x: torch.Tensor, batch: LayerBatch, min_rows: int
+            ) -> torch.Tensor:
+        """``u [R, H or 2H]`` (what q/k/v read) and the residual ``x [R, H]`` of the packed
+        rows of a ragged batch -> ``out [R, H]``; appends the rows to each request's cache."""
+        memo: dict = {}
+        attention = batch[0][0].attention
+        rows = attention.positions(batch, memo)  # [R] positions
+        n, nh, kh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = linear(u, self.wqkv, self.bqkv, min_rows)  # [R, (NH + 2KH) D]
+        qk = qkv[:, : (nh + kh) * d].view(n, nh + kh, d)  # [R, NH + KH, D]
+        v = qkv[:, (nh + kh) * d :].view(n, kh, d)  # [R, KH, D]
+        cos, sin = self.cos[rows].unsqueeze(1), self.sin_signed[rows].unsqueeze(1)
+        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        att = attention.attend(qk[:, :nh], qk[:, nh:], v, batch, d**-0.5, memo)  # [R, NH, D]
+        y = x + linear(att.reshape(n, nh * d), self.wo, None, min_rows)  # [R, H]
+        z = F.rms_norm(y, (y.shape[-1],), self.ln_post, self.eps)
+        gate, up = linear(z, self.w_gate_up, None, min_rows).chunk(2, dim=-1)  # [R, I] each
+        return y + linear(F.silu(gate) * up, self.w_down, None, min_rows)  # [R, H]
+
+
+class EagleDraftModel:
+    """An ``EagleHead`` placed beside a target ``NativeLM`` (a ``FeatureHeadRunner``).
+
+    ``fc`` and the layer (``HeadLayer``) on the target's device and dtype (packed where the
+    target is); the layer runs on the head's own keys/values (``kv``: one layer of the head's
+    attention shape) through the batch's attention backend, as the target's layers do.
+    """
+
+    def __init__(self, head: EagleHead, target: NativeLM) -> None:
+        device, dtype = target.device, target.dtype
+        packed = target.packed and packing_available(device, dtype)
+        with torch.no_grad():
+            self.fc_w = place_matrix(head.fc_w, device, dtype, packed)  # [H, 2H]
+            self.fc_b = place_vector(head.fc_b, device, dtype)  # [H]
+        self.layer = HeadLayer.place(head, head.ln2, target)
         self.head = head
         self.target = target
         self.layer_inputs: tuple[int, ...] = ()  # it reads h_N only
         self.ids = torch.arange(target.info.vocab_size, device=device)  # [V]: full vocabulary
         self.vocab_size = target.info.vocab_size
-        self.cos, self.sin_signed = rope_beside(target, head.head_dim, head.rope_theta,
-                                                head.rope_scaling)  # [P, D] each
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """The layer's RoPE cosines ``[P, D]`` (the target's own when the RoPE is the same)."""
+        return self.layer.cos
 
     @property
     def kv(self) -> KVSpec:
         """The keys/values of the head's one layer (a request's cache: ``KVCache(kv, n)``)."""
-        h = self.head
-        return KVSpec(1, h.num_kv_heads, h.head_dim, self.target.dtype, self.target.device)
+        return self.layer.kv(self.target)
 
     def features(self, final: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """``h_N [R, H]`` -> ``a = RMSNorm_g(h_N) [R, H]``, the features EAGLE reads (no
@@ -222,24 +306,10 @@ class EagleDraftModel:
              ) -> torch.Tensor:
         """``a [R, H]`` (features or fed-back predictions) and ``t_{p+1} [R]`` of the packed
         rows of a ragged batch -> ``a^ [R, H]``; appends the rows to each request's cache."""
-        h = self.head
         r = self.target.min_rows
-        memo: dict = {}
         emb = self.target.embed(next_ids)  # [R, H]
         x = linear(torch.cat([emb, feats.to(emb.dtype)], dim=-1), self.fc_w, self.fc_b, r)
-        attention = batch[0][0].attention
-        rows = attention.positions(batch, memo)  # [R] positions
-        n, nh, kh, d = x.shape[0], h.num_heads, h.num_kv_heads, h.head_dim
-        qkv = linear(x, self.wqkv, self.bqkv, r)  # [R, (NH + 2KH) D]
-        qk = qkv[:, : (nh + kh) * d].view(n, nh + kh, d)  # [R, NH + KH, D]
-        v = qkv[:, (nh + kh) * d :].view(n, kh, d)  # [R, KH, D]
-        cos, sin = self.cos[rows].unsqueeze(1), self.sin_signed[rows].unsqueeze(1)
-        qk = qk * cos + qk.roll(d // 2, -1) * sin
-        att = attention.attend(qk[:, :nh], qk[:, nh:], v, batch, d**-0.5, memo)  # [R, NH, D]
-        y = x + linear(att.reshape(n, nh * d), self.wo, None, r)  # [R, H]
-        z = F.rms_norm(y, (y.shape[-1],), self.ln2, h.eps)
-        gate, up = linear(z, self.w_gate_up, None, r).chunk(2, dim=-1)  # [R, I] each
-        return y + linear(F.silu(gate) * up, self.w_down, None, r)  # [R, H]
+        return self.layer.run(x, x, batch, r)  # no input norm: q/k/v read x
 
     @torch.no_grad()
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
