@@ -12,7 +12,10 @@ plus ours with the adaptive draft length, and the training-free token trees
 with a draft model also merged with its chain: ``ours_model_and_tree``,
 conf/drafter/model_and_tree.yaml, and ``ours_suffix_then_model_and_tree``: the suffix tree
 alone where it matches 3 tokens or more; and ``ours_pld_tree_sps_k4``/``_k6``: prompt lookup,
-else the draft model drafting k tokens, itself sped up by the token trees it verifies).
+else the draft model drafting k tokens, itself sped up by the token trees it verifies;
+``ours_pld_sps_int8``, ``ours_pld_tree_sps_k4_int8``: the same with the draft model's
+int8 copies, ``model.quantize=int8``, where the row probe finds them faster; ``*_window``:
+and the draft model seeing only the last ``--context-window`` prompt tokens).
 Beside tokens/s end to end it reports time to first token (TTFT: prefill and the first
 round) and time per output token after it (TPOT), each method's TPOT against ours plain,
 and for ours the verify rows per round and a round's verify cost in plain steps.
@@ -50,6 +53,7 @@ from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
 from specflow.models.row_padding import (  # noqa: E402
     choose_dense_rows,
+    choose_int8_rows,
     row_probe,
     use_dense_rows,
 )
@@ -131,6 +135,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="draft length of our sps")
+    ap.add_argument("--context-window", type=int, default=256,
+                    help="the *_window methods' draft context (drafter.context_window)")
+    ap.add_argument("--no-int8", action="store_true",
+                    help="skip loading the drafter's int8 copy (the *_int8 methods)")
     ap.add_argument("--pld-k", type=int, default=8, help="draft length of our pld")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
@@ -192,6 +200,9 @@ def main() -> None:
     target = load_model(args.target, dtype="float32", **SETTINGS)
     drafter = (load_model(args.drafter, dtype=args.drafter_dtype, **SETTINGS)
                if args.drafter else None)
+    wants_int8 = args.only is None or any("_int8" in m for m in args.only)
+    drafter8 = (load_model(args.drafter, dtype=args.drafter_dtype, quantize="int8", **SETTINGS)
+                if args.drafter and wants_int8 and not args.no_int8 else None)
     hf_target = hf_copy(args.target, args.shared_hf)
     hf_drafter = hf_copy(args.drafter, args.shared_hf, args.drafter_dtype) if drafter else None
     tok = target.tokenizer
@@ -284,12 +295,15 @@ def main() -> None:
                 extra_nodes=4,
             )
 
-        def tree_sps(k: int) -> SpeculativePipeline:  # conf/drafter/tree_model.yaml
-            # The 0.5B drafts k tokens a round, itself sped up by token trees it verifies.
+        def tree_sps(k: int, small: NativeLM = drafter.lm,
+                     window: int | None = None) -> SpeculativePipeline:
+            # conf/drafter/tree_model.yaml: the 0.5B drafts k tokens a round, itself sped up
+            # by token trees it verifies.
             return SpeculativePipeline(
-                FullVerifier(drafter.lm), StandardAcceptor(), level="draft", k=k,
+                FullVerifier(small), StandardAcceptor(), level="draft", k=k,
+                context_window=window,
                 drafter=TokenTreeDrafter(
-                    drafter.lm, k=8, branches=3, max_nodes=12,
+                    small, k=8, branches=3, max_nodes=12,
                     suffix=SuffixIndex(max_ngram=6, min_ngram=1, max_matches=16),
                     recycling=RecyclingTable(width=8)),
             )
@@ -297,6 +311,20 @@ def main() -> None:
         for k in (4, 6):  # conf/drafter/pld_then_tree_model.yaml
             ours[f"ours_pld_tree_sps_k{k}"] = SpeculativePipeline(
                 verifier, StandardAcceptor(), drafter=FallbackDrafter(fallback_pld(), tree_sps(k)))
+        if drafter8 is not None:  # the same with drafter.model.quantize=int8
+            ours["ours_pld_sps_int8"] = SpeculativePipeline(
+                verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                    fallback_pld(), ModelDrafter(drafter8.lm, k=args.k)))
+            ours["ours_pld_tree_sps_k4_int8"] = SpeculativePipeline(
+                verifier, StandardAcceptor(),
+                drafter=FallbackDrafter(fallback_pld(), tree_sps(4, drafter8.lm)))
+            ours["ours_pld_sps_int8_window"] = SpeculativePipeline(
+                verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                    fallback_pld(), ModelDrafter(drafter8.lm, k=args.k,
+                                                 context_window=args.context_window)))
+            ours["ours_pld_tree_sps_k4_int8_window"] = SpeculativePipeline(
+                verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                    fallback_pld(), tree_sps(4, drafter8.lm, args.context_window)))
         ours["ours_model_and_tree"] = SpeculativePipeline(
             verifier, StandardAcceptor(), drafter=model_and_tree())
         ours["ours_suffix_then_model_and_tree"] = SpeculativePipeline(
@@ -354,7 +382,7 @@ def main() -> None:
             )
         )
 
-    padded_models = [m.lm for m in (target, drafter) if m is not None]
+    padded_models = [m.lm for m in (target, drafter, drafter8) if m is not None]
     padded_rows = args.min_rows  # the <method>_rows variants' row count (0: probe it)
     if padded_rows == 0:
         probe = row_probe(target.lm)  # the one probe (a measured tree drafter reads it)
@@ -369,11 +397,16 @@ def main() -> None:
         probe = row_probe(lm)
         if args.rows == "probe":  # and dense matmuls where they beat packed ones, as run.py
             use_dense_rows(lm, choose_dense_rows(probe, base_rows[id(lm)]))
+        if lm.int8_layers:  # and its int8 copies where they win (model.quantize=int8)
+            lm.set_int8_rows(choose_int8_rows(probe, base_rows[id(lm)], lm.dense_rows)
+                             if args.rows == "probe" else frozenset({1}))
         print(f"{lm.info.name}: row probe ms by rows "
               f"{ {r: round(t * 1e3, 2) for r, t in {**probe.seconds, **probe.priced}.items()} }"
               f", dense { {r: round(t * 1e3, 2) for r, t in probe.dense.items()} }"
+              f", int8 { {r: round(t * 1e3, 2) for r, t in probe.int8.items()} }"
               f", ours run with min_rows={base_rows[id(lm)]}, dense at "
-              f"{sorted(lm.dense_rows) or 'no row count'}")
+              f"{sorted(lm.dense_rows) or 'no row count'}, int8 at "
+              f"{sorted(lm.int8_rows) or 'no row count'}")
 
     def run_ours(pipe: SpeculativePipeline, min_rows: int | None = None
                  ) -> Callable[[list[int]], tuple[list[int], float, float]]:

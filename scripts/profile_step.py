@@ -42,6 +42,8 @@ def main() -> None:
         "--packed-weights", choices=["auto", "true", "false"], default="auto",
         help="oneDNN-packed matrices (auto: on a CPU in float32)",
     )
+    ap.add_argument("--int8", action="store_true",
+                    help="every pass on int8 copies of the weights (model.quantize=int8)")
     args = ap.parse_args()
     counts = [int(t) for t in args.tokens.split(",")]
 
@@ -49,6 +51,9 @@ def main() -> None:
     loaded = load_model(args.model, dtype=args.dtype, backend="auto", trust_remote_code=False,
                         packed_weights=packed)
     lm = loaded.lm
+    if args.int8:
+        lm.make_int8_copies()
+        lm.set_int8_rows(frozenset(range(1, args.context + max(counts) + 1)))
     n_layers = lm.info.num_layers
     gen = torch.Generator().manual_seed(0)
     vocab = 1000  # ordinary token ids
@@ -72,7 +77,8 @@ def main() -> None:
             times[t].append(time.perf_counter() - t0)
     base = statistics.median(times[counts[0]])
     print(
-        f"{args.model} {args.dtype}, packed weights {getattr(lm, 'packed', False)}, context "
+        f"{args.model} {args.dtype}, packed weights {getattr(lm, 'packed', False)}, int8 "
+        f"{args.int8}, context "
         f"{args.context}, {torch.get_num_threads()} threads, median of {args.repeats}"
     )
     print(f"{'T':>3}{'ms':>10}{'vs T=' + str(counts[0]):>10}")

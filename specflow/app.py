@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specflow.cache_root import configured_cache_root
 from specflow.cpu import check_cpu_weights, probe_cpu
-from specflow.errors import SpecflowError
+from specflow.errors import ConfigError, SpecflowError
 from specflow.graph import build_pipeline, instantiate_checked
 from specflow.records import RunMeta, RunSummary
 from specflow.results import RunFolder, results_fingerprint
@@ -90,6 +90,13 @@ def prepare_run(cfg: DictConfig, out: Path) -> PreparedRun:
     sampling: SamplingParams = OmegaConf.to_object(cfg.sampling)  # and every sampling value
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    if cfg.model.get("quantize") is not None:
+        raise ConfigError(
+            f"model.quantize={cfg.model.quantize}: the target's int8 copies would change its "
+            f"outputs, which plain decoding and every lossless pipeline must reproduce; set "
+            f"model.quantize=null and quantize a draft model instead "
+            f"(drafter.model.quantize=int8; docs/usage.md)"
+        )
     if settings.device == "cpu":
         check_models_fit_cpu(cfg)
     log.info("CPU: %s", probe_cpu().describe())

@@ -12,6 +12,14 @@ prompt (the prefill); a drafter that sat out rounds (a pool's idle arm, a fallba
 drafter, a policy's plain rounds) by the tokens committed meanwhile; a drafter that drafted
 last round by one position, its bonus token.
 
+A draft model may see less than the whole sequence (``ModelUse.context_window`` W): its
+session then holds the request's tokens from ``context_start`` on, the last W prompt tokens
+and everything after them, at positions counted from there (its keys' positions are shifted
+alike, which rotary attention does not see).  The start is fixed per request, so the session
+keeps its prefix from round to round; it shortens the draft model's prefill of a long
+prompt to W positions.  Only a drafter's own model may be windowed (``specflow.engine``):
+the target's sessions always hold every token.
+
 Every verifier's prefill, every model drafter's lazy catch-up and a pool's switch of arms
 call ``catch_up``: one batched forward (``forward_hidden``) over the requests more than
 ``slack`` positions behind, timed with the requests' ``DecodeState.clock`` (the pipeline's
@@ -41,34 +49,50 @@ class CatchUp:
     seconds: float = 0.0
 
 
-def positions_behind(state: DecodeState, lm: LayeredLM, exit_layer: int) -> int:
+def context_start(state: DecodeState, window: int | None) -> int:
+    """The first of the request's tokens a session with context ``window`` holds: the last
+    ``window`` prompt tokens' first (0 for a shorter prompt or no window)."""
+    return 0 if window is None else max(0, state.prompt_len - window)
+
+
+def session_tokens(state: DecodeState, window: int | None) -> list[int]:
+    """The committed tokens a session with context ``window`` holds (module doc)."""
+    start = context_start(state, window)
+    return state.tokens[start:] if start else state.tokens
+
+
+def positions_behind(state: DecodeState, lm: LayeredLM, exit_layer: int,
+                     window: int | None = None) -> int:
     """``behind`` of the module doc for one request, without syncing anything: the positions
     ``catch_up`` would process now (only work on the committed tokens counts, not on
     rejected drafts the session still holds; a session never opened is behind by all)."""
+    tokens = session_tokens(state, window)
     session = state.sessions.get(id(lm))
     done = 0
     if session is not None:
-        done = min(session.computed(exit_layer - 1), session.kept_prefix(state.tokens))
-    return max(0, len(state.tokens) - 1 - done)
+        done = min(session.computed(exit_layer - 1), session.kept_prefix(tokens))
+    return max(0, len(tokens) - 1 - done)
 
 
 def catch_up(
-    states: list[DecodeState], lm: LayeredLM, exit_layer: int, slack: int = 0
+    states: list[DecodeState], lm: LayeredLM, exit_layer: int, slack: int = 0,
+    window: int | None = None,
 ) -> CatchUp:
     """Sync each request's session of ``lm`` at ``exit_layer`` (see module doc).
 
     Every session first takes the request's committed tokens (``set_tokens``: the rejected
-    drafts of earlier rounds are dropped).  The requests more than ``slack`` positions behind
-    then run in ONE batched forward up to their last committed token.  ``slack=1`` leaves the
-    usual one position of a drafter's previous round to ride along with its first drafting
-    step.
+    drafts of earlier rounds are dropped), from ``context_start`` on with a ``window``.  The
+    requests more than ``slack`` positions behind then run in ONE batched forward up to their
+    last committed token.  ``slack=1`` leaves the usual one position of a drafter's previous
+    round to ride along with its first drafting step.
     """
     behind = [0] * len(states)
     todo = []
     for i, st in enumerate(states):
         session = st.session(lm)
-        session.set_tokens(st.tokens)
-        end = len(st.tokens) - 1
+        tokens = session_tokens(st, window)
+        session.set_tokens(tokens)
+        end = len(tokens) - 1
         missing = max(0, end - session.computed(exit_layer - 1))
         if missing > slack:
             behind[i] = missing

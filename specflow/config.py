@@ -47,6 +47,10 @@ class ModelConfig:
         min_rows: packed matmuls of fewer rows (a decoding step: 1) run on this many, zero
             rows appended (``specflow.models.row_padding``): 1 = never padded; null = the
             fastest row count, probed once per model on this CPU.
+        quantize: ``int8``: weight-only int8 copies of the matrices too, multiplied at the
+            row counts where the row probe finds them faster (a draft model's steps); the
+            outputs change slightly, so only draft models take it (the target is refused).
+            null: none.
     """
 
     name: str = MISSING
@@ -56,6 +60,7 @@ class ModelConfig:
     exit_heads: str | None = MISSING
     packed_weights: bool | None = MISSING
     min_rows: int | None = MISSING
+    quantize: str | None = MISSING
 
 
 @dataclass

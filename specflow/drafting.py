@@ -80,6 +80,7 @@ def draft_with_model(
     asked: list[int],
     min_confidence: float = 0.0,
     subvocabs: list[SubVocabHead | None] | None = None,
+    window: int | None = None,
 ) -> list[Draft]:
     """Propose up to ``asked[i]`` tokens for each request from ``lm`` at ``exit_layer``.
 
@@ -96,13 +97,14 @@ def draft_with_model(
     the drafter sat idle) runs first, batched (``specflow.catchup.catch_up``), and is timed
     apart with the requests' clock (``Draft.catchup_s``), so the time of the drafting steps
     stays measurable; the usual one position left by the previous round (its bonus token)
-    rides along with the first step, in one forward pass.
+    rides along with the first step, in one forward pass.  With a context ``window`` the
+    sessions hold the last ``window`` prompt tokens and what follows (``specflow.catchup``).
     """
     subvocabs = subvocabs or [None] * len(states)
     sessions = [st.session(lm) for st in states]
     active = [i for i, n in enumerate(asked) if n > 0]
     # More than the usual one position of the previous round behind: a real catch-up.
-    sync = catch_up([states[i] for i in active], lm, exit_layer, slack=1)
+    sync = catch_up([states[i] for i in active], lm, exit_layer, slack=1, window=window)
     catchup_s = [0.0] * len(states)
     for i, behind in zip(active, sync.behind, strict=True):
         if behind:

@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from specflow.acceptance import StandardAcceptor
-from specflow.catchup import catch_up
+from specflow.catchup import catch_up, context_start, session_tokens
 from specflow.errors import ConfigError, SpecflowError
 from specflow.kv.base import ModelInfo, check_same_tokenizer
 from specflow.protocols import (
@@ -86,6 +87,11 @@ class SpeculativePipeline:
             limit, ``min(drafter.k, budget - 1)``).
         clock: seconds counter for the stage times, given to the requests it creates or
             nests (``DecodeState.clock``); tests pass a deterministic one.
+        context_window: only for a nested pipeline: its requests hold the outer request's
+            last ``context_window`` prompt tokens and every token after them
+            (``specflow.catchup``), so its models prefill at most that much of a long
+            prompt.  ``None``: the whole prompt.  Its models must not be the outer
+            target (refused by the outer pipeline).
     """
 
     def __init__(
@@ -99,12 +105,20 @@ class SpeculativePipeline:
         k: int | None = None,
         draft_length: DraftLengthPolicy | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        context_window: int | None = None,
     ) -> None:
         if k is not None and k < 1:
             raise ConfigError(
                 f"k={k}: a nested pipeline's k (the most tokens it drafts for the outer "
                 f"pipeline per round) must be >= 1; set e.g. drafter.k=4"
             )
+        if context_window is not None and (k is None or context_window < 1):
+            raise ConfigError(
+                f"context_window={context_window}: only a nested pipeline (a drafter, k set) "
+                f"may see part of the prompt, and then at least 1 token; set it on the "
+                f"drafter node, or null"
+            )
+        self.context_window = context_window
         self.target_verifier = target_verifier
         self.acceptor = acceptor
         self.intermediate_verifier = intermediate_verifier
@@ -140,6 +154,14 @@ class SpeculativePipeline:
         # (``DraftLengthPolicy.use_prices``).  A layer-skip drafter runs a view of the
         # target with its own cache, and a feature head only reads it: whole.
         target_lms = {id(use.lm) for use in target_verifier.uses()}
+        windowed = sorted({use.lm.info.name for use in (drafter.uses() if drafter else [])
+                           if use.context_window is not None and id(use.lm) in target_lms})
+        if windowed:
+            raise ConfigError(
+                f"the drafter sees part of the prompt (context_window) on {windowed}, which "
+                f"is also this pipeline's target; the target holds every token: set the "
+                f"drafter's context_window=null"
+            )
         self._whole_passes = drafter is None or not any(
             id(use.lm) in target_lms and not use.reads_only for use in drafter.uses())
         self.clock = clock
@@ -189,10 +211,13 @@ class SpeculativePipeline:
         return infos
 
     def uses(self) -> list[ModelUse]:
-        """Every model session this pipeline runs: the target's, then the drafter's."""
+        """Every model session this pipeline runs: the target's, then the drafter's (with
+        this pipeline's ``context_window``, where it has one)."""
         uses = self.target_verifier.uses()
         if self.drafter is not None:
             uses += self.drafter.uses()
+        if self.context_window is not None:
+            uses = [replace(use, context_window=self.context_window) for use in uses]
         return uses
 
     @property
@@ -331,11 +356,12 @@ class SpeculativePipeline:
         # idle arm).  Its one usual position (the last committed token) rides along with the
         # first round's verification (slack 1).
         catchup_s = 0.0
+        window = self.context_window
         for use in self.target_verifier.uses():
-            catchup_s += catch_up(states, use.lm, use.exit_layer, slack=1).seconds
+            catchup_s += catch_up(states, use.lm, use.exit_layer, slack=1, window=window).seconds
         inners = [self._inner.get(st) for st in states]
         for inner, st in zip(inners, states, strict=True):
-            inner.tokens = list(st.tokens)
+            inner.tokens = list(session_tokens(st, window))
         starts = [len(inner.tokens) for inner in inners]
         q_rows: list[list[torch.Tensor]] = [[] for _ in states]
         while True:
@@ -367,10 +393,12 @@ class SpeculativePipeline:
 
     def _new_inner(self, state: DecodeState) -> DecodeState:
         """This pipeline's own state inside an outer request (shares the model sessions;
-        its stages time themselves with this pipeline's clock)."""
+        its stages time themselves with this pipeline's clock; with a ``context_window`` its
+        tokens start at ``context_start``)."""
+        start = context_start(state, self.context_window)
         inner = DecodeState(
-            tokens=list(state.tokens),
-            prompt_len=state.prompt_len,
+            tokens=list(state.tokens[start:]),
+            prompt_len=state.prompt_len - start,
             max_len=state.max_len,
             sampling=state.sampling,
             generator=state.generator,

@@ -38,12 +38,16 @@ class ModelUse:
     no exit order applies to it.  ``layer_inputs``: decoder layers whose inputs the stage
     reads beside ``h_N`` (an EAGLE-3 head's three), kept by every request's session of the
     model from its first position on (``ModelSession.keep_layer_inputs``).
+    ``context_window``: the stage's sessions of this model hold only the last
+    ``context_window`` prompt tokens and every token after them (``specflow.catchup``: a
+    draft model's shorter prefill); ``None``: the whole sequence.
     """
 
     lm: LayeredLM
     exit_layer: int
     reads_only: bool = False
     layer_inputs: tuple[int, ...] = ()
+    context_window: int | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,10 @@ class ModelDrafter:
         vocab_subset: draft over only the N lowest token ids plus the request's prompt tokens
             and EOS (``SubVocabHead``: the head's cost shrinks by about N / V; lossless, the
             target verifies).  ``None``: the full vocabulary.
+        context_window: the draft model sees only the last ``context_window`` prompt tokens
+            and everything after them (``specflow.catchup``): its prefill of a long prompt
+            costs that many positions, its drafts read less context (lossless either way).
+            ``None``: the whole prompt.  Not for the target's own exits (refused).
     """
 
     name = "model"
@@ -46,6 +50,7 @@ class ModelDrafter:
         exit_layer: int | float | None = None,
         min_confidence: float = 0.0,
         vocab_subset: int | None = None,
+        context_window: int | None = None,
     ) -> None:
         if k < 1:
             raise ConfigError(f"drafter.k must be >= 1, got {k}")
@@ -68,6 +73,10 @@ class ModelDrafter:
                 raise ConfigError(f"drafter.vocab_subset must be >= 1 or null, got {vocab_subset}")
             SubVocabHead.check_supported(self.lm)  # fail at build time, not mid-run
         self.vocab_subset = vocab_subset
+        if context_window is not None and context_window < 1:
+            raise ConfigError(
+                f"drafter.context_window must be >= 1 or null, got {context_window}")
+        self.context_window = context_window
         # Per request: its vocabulary subset (built from its prompt), when vocab_subset is set.
         self._subvocab: RequestLocal[SubVocabHead | None] = RequestLocal(self._build_subvocab)
 
@@ -75,7 +84,7 @@ class ModelDrafter:
         return [self.lm.info]
 
     def uses(self) -> list[ModelUse]:
-        return [ModelUse(self.lm, self.exit_layer)]
+        return [ModelUse(self.lm, self.exit_layer, context_window=self.context_window)]
 
     def _build_subvocab(self, state: DecodeState) -> SubVocabHead | None:
         if self.vocab_subset is None:
@@ -98,7 +107,8 @@ class ModelDrafter:
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         subvocabs = [self._subvocab.get(st) for st in states]
         return draft_with_model(
-            states, self.lm, self.exit_layer, asked, self.min_confidence, subvocabs=subvocabs
+            states, self.lm, self.exit_layer, asked, self.min_confidence, subvocabs=subvocabs,
+            window=self.context_window,
         )
 
     def observe(

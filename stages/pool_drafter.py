@@ -111,7 +111,7 @@ def sync_arm(states: list[DecodeState], uses: list[ModelUse]) -> CatchUp:
     behind = [0] * len(states)
     seconds = 0.0
     for use in uses:
-        done = catch_up(states, use.lm, use.exit_layer)
+        done = catch_up(states, use.lm, use.exit_layer, window=use.context_window)
         behind = [a + b for a, b in zip(behind, done.behind, strict=True)]
         seconds += done.seconds
     return CatchUp(behind, seconds)
@@ -282,7 +282,8 @@ class PoolDrafter:
             if arm == last or not uses or c_n == 0 or r_n == 0 or bandit.counts[arm] <= 0:
                 out.append(0.0)
                 continue
-            behind = max(positions_behind(state, use.lm, use.exit_layer) for use in uses)
+            behind = max(positions_behind(state, use.lm, use.exit_layer, use.context_window)
+                         for use in uses)
             cost = behind * c_s / c_n
             mean = bandit.sums[arm] / bandit.counts[arm]
             horizon = self.switch_horizon or 0.0

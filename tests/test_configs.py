@@ -13,6 +13,7 @@ from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.graph import build_pipeline, instantiate_checked
 from specflow.models.loading import LoadedModel
+from specflow.models.native import NativeLM
 from tests.conftest import make_pair
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -26,6 +27,9 @@ register_configs()
 def _compose(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
+
+
+_DRAFTS: dict = {}  # id(hf model) -> the draft model's LoadedModel (tiny_models)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +76,14 @@ def tiny_models(monkeypatch, deep_tiny, deep_tiny_feature_head, deep_tiny_medusa
     the default feature head is one made for it)."""
     hf, lm = deep_tiny
     loaded = LoadedModel(lm=lm, tokenizer=None, hf_model=hf, info=lm.info)
-    monkeypatch.setattr("specflow.models.loading.load_model", lambda *a, **k: loaded)
+    # The draft model's name gets a model of its own (the same weights): a drafter that
+    # sees part of the prompt (context_window) must not be the target.
+    if id(hf) not in _DRAFTS:
+        _DRAFTS[id(hf)] = LoadedModel(lm=NativeLM.from_hf(hf, lm.info), tokenizer=None,
+                                      hf_model=hf, info=lm.info)
+    draft = _DRAFTS[id(hf)]
+    monkeypatch.setattr("specflow.models.loading.load_model",
+                        lambda name, *a, **k: draft if "0.5b" in str(name) else loaded)
     monkeypatch.setattr("specflow.models.resolve.attach_exit_heads", lambda *a, **k: None)
     monkeypatch.setattr("stages.feature_drafter.default_feature_head_path",
                         lambda name: deep_tiny_feature_head)

@@ -252,3 +252,24 @@ def test_set_tree_refuses_a_tree_beyond_the_context(lm):
     sess = ModelSession(lm, 8)
     with pytest.raises(PromptTooLongError, match="exceeds this request's context"):
         sess.set_tree([1, 2, 3, 4], [5, 6, 7, 8, 9], [-1, -1, 0, 1, 2])
+
+
+def test_a_committed_tree_node_is_verified_again_from_its_kept_row(lm):
+    """A nested pipeline's outer target may commit a node of the draft model's last tree
+    (path 1 -> 3), so the last committed token is a computed position; verifying a chain
+    after it asks from that position: its h_N row is kept through the path's resolution and
+    the next ``set_tokens``, and the logits are a chain's."""
+    n = len(COMMITTED)
+    sess = ModelSession(lm, 64)
+    sess.set_tokens(COMMITTED)
+    sess.prefill()
+    sess.set_tree(COMMITTED, NODES, PARENTS)
+    sess.logits(lm.info.num_layers, n - 1, n + len(NODES))
+    committed = COMMITTED + [22, 24]  # the path 1 -> 3: the last committed token computed
+    sess.set_tokens(committed)
+    assert sess.computed(lm.info.num_layers - 1) == len(committed)
+    sess.set_tokens(committed + [40, 41])  # a chain draft after it
+    logits = sess.logits(lm.info.num_layers, len(committed) - 1, len(committed) + 2)
+    for j in range(3):
+        want = _chain_logits(lm, committed + [40, 41][:j])
+        assert torch.allclose(logits[j], want, atol=1e-4), j

@@ -229,9 +229,13 @@ class ModelSession:
         keep = common_prefix_length(self.tokens, tokens)
         self.truncate(keep)
         self.tokens = list(tokens)
-        # Last-layer outputs before the new last token are never asked for again, except
-        # by a feature drafter that has not read them yet (``final_floor``).
-        first_needed = len(tokens) - 1
+        # Last-layer outputs before the new last token are never asked for again, nor
+        # before the last kept position (a verification of ``committed + draft`` asks from
+        # the last committed token, which an earlier pass may have computed already: a tree
+        # node of a nested pipeline that the outer one committed), except by a feature
+        # drafter that has not read them yet (``final_floor``).
+        last = min(len(tokens), max(keep, 1)) - 1
+        first_needed = last
         if self.final_floor is not None:
             first_needed = min(first_needed, self.final_floor)
         if self.final_hidden is not None and self.final_start < first_needed:
@@ -239,7 +243,7 @@ class ModelSession:
             self.final_hidden = self.final_hidden[drop:] if drop < len(self.final_hidden) else None
             self.final_start = first_needed
         for feed in self.adapters.values():
-            feed.trim(len(tokens) - 1)
+            feed.trim(last)
 
     def set_tree(self, committed: list[int], nodes: list[int], parents: list[int]) -> None:
         """Make the sequence ``committed`` followed by a token tree to verify in one forward:

@@ -10,7 +10,7 @@ The settings have no defaults here: a run takes them from its ``model`` config
 (``conf/model/*.yaml``, where a model's settings are declared), and code that loads a model
 without Hydra (scripts, tests) says what it wants.
 
-Models are cached in-process by (name, dtype, backend, packed_weights): two stages naming
+Models are cached in-process by (name, dtype, backend, packed_weights, quantize): two stages naming
 the same model share one instance.  ``backend="auto"`` picks the native layered
 implementation when it supports the architecture and the HF-backed one otherwise.
 """
@@ -31,6 +31,7 @@ import torch
 from specflow.cpu import check_cpu_weights, resolve_dtype
 from specflow.errors import ConfigError, ModelNotFoundError
 from specflow.kv.base import LayeredLM, ModelInfo, check_same_tokenizer  # noqa: F401 (re-export)
+from specflow.models.int8_weights import QUANTIZE_CHOICES
 from specflow.models.registry import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -265,8 +266,10 @@ def load_model(
     trust_remote_code: bool,
     packed_weights: bool | None,
     cache_dir: str | Path | None = None,
+    quantize: str | None = None,
 ) -> LoadedModel:
-    """Load a model as a ``LoadedModel`` (cached in-process by name, dtype and backend).
+    """Load a model as a ``LoadedModel`` (cached in-process by name, dtype, backend, packing
+    and quantization).
 
     The model settings (``dtype``, ``backend``, ``trust_remote_code``, ``packed_weights``)
     are required: a run passes its ``model`` config's (``conf/model/*.yaml``).
@@ -288,14 +291,22 @@ def load_model(
             packed wherever this CPU's oneDNN runs the dtype (``specflow.cpu.probe_cpu``),
             else unpacked with one INFO line saying why.  ``True`` where it cannot pack is a
             ``ConfigError`` before the weights load.
+        quantize: ``int8``: the native model also keeps weight-only int8 copies of its
+            matrices (``specflow.models.int8_weights``), used at the row counts where the row
+            probe finds them faster (``specflow.models.row_padding``); its outputs then
+            differ slightly from the model's own: for draft models.  ``None``: none.
 
     Raises:
         ModelNotFoundError: the value resolves to nothing loadable (the message lists the
             registry names) or a registry model's packages are missing.
-        ConfigError: a bad dtype/backend, ``native`` forced on an unsupported model, or
-            ``packed_weights=True`` that this CPU cannot pack.
+        ConfigError: a bad dtype/backend, ``native`` forced on an unsupported model,
+            ``packed_weights=True`` that this CPU cannot pack, an unknown ``quantize``, or
+            one on a model the native backend does not run.
     """
     torch_dtype = resolve_dtype(dtype)  # a clear error for an unknown name
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ConfigError(f"model.quantize={quantize!r} is unknown; use one of "
+                          f"{', '.join(QUANTIZE_CHOICES)} or null")
     dtype = str(torch_dtype).removeprefix("torch.")  # auto -> what it resolved to
     if packed_weights:
         check_cpu_weights(name_or_path, "", dtype, packed_weights)
@@ -303,7 +314,7 @@ def load_model(
         raise ConfigError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     path = Path(name_or_path).expanduser()
     name = name_or_path if name_or_path in REGISTRY or not path.exists() else str(path.resolve())
-    key = (name, dtype, backend, packed_weights)
+    key = (name, dtype, backend, packed_weights, quantize)
     if key in _MODELS:
         return _MODELS[key]
 
@@ -313,6 +324,14 @@ def load_model(
     hf_model.requires_grad_(False)
     info = build_model_info(name_or_path, hf_model, tokenizer)
     lm = _make_lm(hf_model, info, backend, packed_weights)
+    if quantize is not None:
+        from specflow.models.native import NativeLM
+
+        if not isinstance(lm, NativeLM):
+            raise ConfigError(f"model.quantize={quantize} needs the native backend, which "
+                              f"{info.name} does not run on: set model.quantize=null")
+        lm.make_int8_copies()
+        log.info("%s: int8 copies of the weights made (model.quantize=int8)", info.name)
     loaded = LoadedModel(lm=lm, tokenizer=tokenizer, hf_model=hf_model, info=info)
     _MODELS[key] = loaded
     return loaded

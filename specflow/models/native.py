@@ -39,6 +39,7 @@ from torch import nn
 from specflow import cpu
 from specflow.errors import ConfigError
 from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, ModelInfo
+from specflow.models.int8_weights import Int8Matrix, int8_linear, quantize_int8
 
 log = logging.getLogger("specflow")
 
@@ -124,19 +125,23 @@ def supports(hf_config) -> tuple[bool, str]:
     return True, ""
 
 
+Matrix = torch.Tensor | Int8Matrix  # a dense or packed tensor, or an int8 copy
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the _Layer fields that are matrices
+
+
 @dataclass
 class _Layer:
     """One decoder layer's weights (views of the HF tensors, except the fused matrices)."""
 
     ln1: torch.Tensor  # [H]
-    wqkv: torch.Tensor  # [(NH + 2*KH) * D, H]
+    wqkv: Matrix  # [(NH + 2*KH) * D, H]
     bqkv: torch.Tensor | None  # [(NH + 2*KH) * D]
-    wo: torch.Tensor  # [H, NH * D]
+    wo: Matrix  # [H, NH * D]
     bo: torch.Tensor | None  # [H]
     ln2: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [2 * I, H]
+    w_gate_up: Matrix  # [2 * I, H]
     b_gate_up: torch.Tensor | None  # [2 * I]
-    w_down: torch.Tensor  # [H, I]
+    w_down: Matrix  # [H, I]
     b_down: torch.Tensor | None  # [H]
 
 
@@ -157,9 +162,10 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Matrix, bias: torch.Tensor | None,
            min_rows: int = 1) -> torch.Tensor:
-    """``x [N, in] @ weight.T + bias`` -> ``[N, out]``, with oneDNN when ``weight`` is packed.
+    """``x [N, in] @ weight.T + bias`` -> ``[N, out]``, with oneDNN when ``weight`` is packed,
+    with the int8 kernel when it is an ``Int8Matrix`` (``specflow.models.int8_weights``).
 
     ``min_rows``: a packed multiply of fewer rows runs on ``min_rows`` rows (zero rows
     appended, their outputs dropped).  Each output row depends only on its own input row, so
@@ -167,6 +173,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     kernels stream the weights faster at a few rows than at one
     (``specflow.models.row_padding``).
     """
+    if isinstance(weight, Int8Matrix):
+        return int8_linear(x, weight, bias)
     if weight.is_mkldnn:
         n = x.shape[0]
         if n < min_rows:
@@ -257,6 +265,11 @@ class NativeLM:
         # (``set_dense_rows``; ``row_padding.use_dense_rows``), and those copies.
         self.dense_rows: frozenset[int] = frozenset()
         self.dense_layers: list[_Layer] = []
+        # Int8 copies of the matrices and the LM head (``make_int8_copies``, model.quantize)
+        # and the row counts whose passes multiply them (``set_int8_rows``).
+        self.int8_layers: list[_Layer] = []
+        self.int8_head: Int8Matrix | None = None
+        self.int8_rows: frozenset[int] = frozenset()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -463,9 +476,30 @@ class NativeLM:
         ``AttendedKV``s name it: contiguous, paged or static).
         """
         weights = self.layers[layer]
-        if hidden.shape[0] in self.dense_rows:  # a row count dense runs faster here
+        if hidden.shape[0] in self.int8_rows:  # a row count the int8 copies run faster
+            weights = self.int8_layers[layer]
+        elif hidden.shape[0] in self.dense_rows:  # a row count dense runs faster here
             weights = self.dense_layers[layer]
         return self.forward_layer(weights, hidden, batch, memo)
+
+    def make_int8_copies(self) -> None:
+        """Make int8 copies of every layer's matrices and of the LM head (once; about a
+        quarter of the fp32 weights' memory), used by no pass until ``set_int8_rows``."""
+        if self.int8_layers:
+            return
+        with torch.no_grad():
+            self.int8_layers = [
+                replace(w, **{name: quantize_int8(dense(getattr(w, name))) for name in MATRICES})
+                for w in self.layers
+            ]
+            self.int8_head = quantize_int8(self.lm_head)
+
+    def set_int8_rows(self, rows: frozenset[int]) -> None:
+        """Run passes of ``rows`` rows on the int8 copies (``make_int8_copies`` first); they
+        take precedence over ``dense_rows``."""
+        if rows and not self.int8_layers:
+            raise ValueError(f"{self.info.name}: int8 rows {sorted(rows)} without int8 copies")
+        self.int8_rows = frozenset(rows)
 
     def set_dense_rows(self, rows: frozenset[int]) -> None:
         """Run passes of ``rows`` rows on dense copies of the packed matrices (made once,
@@ -515,6 +549,8 @@ class NativeLM:
         Runs under ``no_grad`` (not inference mode) so callers may edit the logits in place.
         """
         x = self.head_input(hidden, exit_layer)  # [T, H]
+        if x.shape[0] in self.int8_rows and self.int8_head is not None:
+            return int8_linear(x, self.int8_head, None).float()  # [T, V]
         if x.shape[0] in self.dense_rows:
             return F.linear(x, self.lm_head).float()  # [T, V], the dense LM head
         return linear(x, self.head_weight, None, self.min_rows).float()  # [T, V]

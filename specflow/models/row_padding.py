@@ -20,6 +20,12 @@ CPUs the dense kernel beats the packed one at a few row counts (an Intel CPU ran
 counts with dense copies of its matrices (``use_dense_rows``: logged; the copies cost the
 layers' memory once more, so they are made only where a count wins).
 
+A model with int8 copies of its weights (``model.quantize=int8``,
+``specflow.models.int8_weights``) has them timed too, at every count: its passes of the counts
+where they beat the model's own matrices (packed as padded, or dense where dense runs) by more
+than ``MARGIN`` multiply the int8 copies (``use_int8_rows``, logged) -- a small model's
+drafting steps, measured 1.8x faster at one row on an AVX2-capped AMD EPYC, not its prefill.
+
 Padding appends zero rows to the input of each packed multiply and drops their outputs
 (``specflow.models.native.linear``).  Every output row depends only on its own input row;
 a kernel chosen for another row count may round differently in the last bits, as a
@@ -51,12 +57,15 @@ class RowProbe:
     """What ``probe_min_rows`` measured: median seconds of the probed matmuls per candidate
     row count, the row count chosen (``choose_min_rows``), the seconds of the larger row
     counts timed for pricing only (``priced``), and the same matrices' seconds unpacked at
-    every count (``dense``; empty where not timed)."""
+    every count (``dense``; empty where not timed) and as int8 copies (``int8``; empty where
+    the model has none).  An unpacked model with int8 copies has its dense seconds in
+    ``seconds`` (``chosen`` 1: only packed matmuls are padded)."""
 
     seconds: dict[int, float]
     chosen: int
     priced: dict[int, float] = field(default_factory=dict)
     dense: dict[int, float] = field(default_factory=dict)
+    int8: dict[int, float] = field(default_factory=dict)
 
     def packed_at(self, rows: int, min_rows: int) -> float | None:
         """Seconds of a packed pass of ``rows`` rows padded to ``min_rows`` (``None``: the
@@ -71,6 +80,19 @@ def choose_dense_rows(probe: RowProbe, min_rows: int, margin: float = MARGIN) ->
     for rows, dense_s in probe.dense.items():
         packed_s = probe.packed_at(rows, min_rows)
         if packed_s is not None and dense_s < (1.0 - margin) * packed_s:
+            out.add(rows)
+    return frozenset(out)
+
+
+def choose_int8_rows(probe: RowProbe, min_rows: int, dense_rows: frozenset[int],
+                     margin: float = MARGIN) -> frozenset[int]:
+    """The row counts whose int8 pass beats what the model runs there otherwise (its dense
+    matrices at ``dense_rows``, else its own padded to ``min_rows``) by more than ``margin``."""
+    out = set()
+    for rows, int8_s in probe.int8.items():
+        own_s = (probe.dense.get(rows) if rows in dense_rows
+                 else probe.packed_at(rows, min_rows))
+        if own_s is not None and int8_s < (1.0 - margin) * own_s:
             out.add(rows)
     return frozenset(out)
 
@@ -173,20 +195,30 @@ def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers:
                    repeats: int = 5, priced: Sequence[int] = PRICED) -> RowProbe:
     """Time ``lm``'s own packed matmuls (the four matrices of its first ``layers`` layers:
     ``time_rows``) for each candidate row count and choose (``choose_min_rows``), and for
-    each ``priced`` row count (``RowPrices``, never chosen); an unpacked model is never
-    padded (``chosen`` 1, nothing timed)."""
-    if not lm.packed:
-        return RowProbe({}, 1)
-    used = [[w.wqkv, w.wo, w.w_gate_up, w.w_down] for w in lm.layers[: max(1, layers)]]
+    each ``priced`` row count (``RowPrices``, never chosen), and the int8 copies' where the
+    model has them; an unpacked model is never padded (``chosen`` 1; nothing timed unless
+    it has int8 copies, whose rivals are then its dense matrices)."""
+    n = max(1, layers)
+    used = [[w.wqkv, w.wo, w.w_gate_up, w.w_down] for w in lm.layers[:n]]
     extra = [r for r in priced if r not in candidates]
+    int8 = ([[w.wqkv, w.wo, w.w_gate_up, w.w_down] for w in lm.int8_layers[:n]]
+            if lm.int8_layers else [])
+    if not lm.packed:
+        if not int8:
+            return RowProbe({}, 1)
+        timed = time_rows([[dense(w) for w in layer] for layer in used],
+                          [*candidates, *extra], repeats)
+        return RowProbe({r: timed[r] for r in candidates}, 1, {r: timed[r] for r in extra},
+                        {}, time_rows(int8, [*candidates, *extra], repeats))
     timed = time_rows(used, [*candidates, *extra], repeats)
     # the same layers dense (as many weights streamed: fewer would sit in the cache and
     # look faster than they run), fewer repeats: enough to see a kernel that wins clearly
     dense_timed = time_rows([[dense(w) for w in layer] for layer in used],
                             [*candidates, *extra], max(1, repeats // 2))
     seconds = {r: timed[r] for r in candidates}
+    int8_timed = time_rows(int8, [*candidates, *extra], repeats) if int8 else {}
     return RowProbe(seconds, choose_min_rows(seconds), {r: timed[r] for r in extra},
-                    dense_timed)
+                    dense_timed, int8_timed)
 
 
 def use_dense_rows(lm: NativeLM, rows: frozenset[int]) -> None:
@@ -198,10 +230,19 @@ def use_dense_rows(lm: NativeLM, rows: frozenset[int]) -> None:
                  lm.info.name, sorted(rows))
 
 
+def use_int8_rows(lm: NativeLM, rows: frozenset[int]) -> None:
+    """Multiply ``rows``-row passes of ``lm`` with its int8 copies; logged."""
+    lm.set_int8_rows(rows)
+    log.info("%s: int8 matmuls at %s rows (model.quantize=int8; faster there by the row probe)",
+             lm.info.name, sorted(rows) or "no row count")
+
+
 def apply_min_rows(lm: object, setting: int | None) -> None:
     """Set a native model's row padding from ``model.min_rows``: an int >= 1 as given,
-    ``None`` the probed row count (probed once per model and process, logged).  Other
-    backends have no packed matmuls: only 1 or ``None`` is accepted for them."""
+    ``None`` the probed row count (probed once per model and process, logged), and with it
+    the row counts that run dense or int8 copies.  A model with int8 copies and a given
+    ``min_rows`` (no probe) runs its one-row passes on them.  Other backends have no packed
+    matmuls: only 1 or ``None`` is accepted for them."""
     if setting is not None and (not isinstance(setting, int) or setting < 1):
         raise ConfigError(
             f"model.min_rows must be an integer >= 1 or null (probe), got {setting!r}"
@@ -215,10 +256,14 @@ def apply_min_rows(lm: object, setting: int | None) -> None:
         return
     if setting is not None:
         lm.min_rows = setting
+        if lm.int8_layers:
+            use_int8_rows(lm, frozenset({1}))
         return
     probe = row_probe(lm)
     lm.min_rows = probe.chosen
     use_dense_rows(lm, choose_dense_rows(probe, lm.min_rows))
+    if lm.int8_layers:
+        use_int8_rows(lm, choose_int8_rows(probe, lm.min_rows, lm.dense_rows))
 
 
 def row_probe(lm: NativeLM) -> RowProbe:
@@ -227,10 +272,12 @@ def row_probe(lm: NativeLM) -> RowProbe:
     probe = lm.row_probe
     if not isinstance(probe, RowProbe):
         probe = lm.row_probe = probe_min_rows(lm)
-        log.info("%s: packed matmul ms by rows %s (fastest beyond the margin: %d); dense %s",
+        log.info("%s: packed matmul ms by rows %s (fastest beyond the margin: %d); dense %s%s",
                  lm.info.name, {r: round(s * 1e3, 2)
                                  for r, s in {**probe.seconds, **probe.priced}.items()},
-                 probe.chosen, {r: round(s * 1e3, 2) for r, s in probe.dense.items()})
+                 probe.chosen, {r: round(s * 1e3, 2) for r, s in probe.dense.items()},
+                 f"; int8 {({r: round(s * 1e3, 2) for r, s in probe.int8.items()})}"
+                 if probe.int8 else "")
     return probe
 
 
@@ -247,11 +294,12 @@ def row_prices(lm: object) -> RowPrices | None:
     timed = {**probe.seconds, **probe.priced}
     if len(timed) < 2 or 1 not in timed:
         return None
-    if not lm.dense_rows:
+    if not lm.dense_rows and not lm.int8_rows:
         return RowPrices(timed, lm.min_rows)
-    # Some counts run dense: a count's seconds are what the model runs there (dense, or
-    # packed padded to min_rows), so the prices need no padding of their own.
-    effective = {r: probe.dense[r] if r in lm.dense_rows and r in probe.dense
+    # Some counts run dense or int8: a count's seconds are what the model runs there (int8,
+    # dense, or packed padded to min_rows), so the prices need no padding of their own.
+    effective = {r: probe.int8[r] if r in lm.int8_rows and r in probe.int8
+                 else probe.dense[r] if r in lm.dense_rows and r in probe.dense
                  else timed.get(max(r, lm.min_rows), t) for r, t in timed.items()}
     return RowPrices(effective, 1)
 
@@ -267,6 +315,9 @@ def row_padding_info(lm: object) -> dict[str, object]:
               if isinstance(probe, RowProbe) else None)
     dense_ms = ({str(r): round(t * 1e3, 3) for r, t in sorted(probe.dense.items())}
                 if isinstance(probe, RowProbe) and probe.dense else None)
+    int8_ms = ({str(r): round(t * 1e3, 3) for r, t in sorted(probe.int8.items())}
+               if isinstance(probe, RowProbe) and probe.int8 else None)
     return {"min_rows": lm.min_rows, "probe_ms": probed, "dense_ms": dense_ms,
-            "dense_rows": sorted(lm.dense_rows)}
+            "dense_rows": sorted(lm.dense_rows), "int8_ms": int8_ms,
+            "int8_rows": sorted(lm.int8_rows)}
 

@@ -1,0 +1,66 @@
+"""Weight-only int8 copies of a model's matrices (``model.quantize=int8``): cheaper drafting.
+
+A decoding step of a small model on a CPU streams every weight once per token, so its time is
+the weights' bytes over the memory bandwidth.  Int8 weights are a quarter of fp32's bytes and
+half of bf16's; ATen's ``_weight_int8pack_mm`` multiplies them with bfloat16 activations,
+vectorised on AVX2 as on AVX-512.  Per output channel ``o`` (symmetric, no zero point):
+
+    s_o = max_i |W_oi| / 127        q_oi = round(W_oi / s_o)  in [-127, 127]
+    y_o = s_o * sum_i q_oi * bf16(x_i)   (+ bias, in the model's dtype)
+
+so ``|W_oi - s_o q_oi| <= s_o / 2``.  The outputs differ from the full-precision model's in
+the last bits and, rarely, in an argmax: an int8 model is a *draft* model (its tokens are
+verified by the target, whose outputs stay exact); the target itself is refused
+(``specflow.app``).  Several rows cost more than one (the kernel is a matrix-vector one), so
+the model uses the copies only at the row counts where the row probe finds them faster
+(``specflow.models.row_padding``); a prefill keeps the model's own weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QUANTIZE_CHOICES = ("int8",)
+
+
+@dataclass(frozen=True)
+class Int8Matrix:
+    """An ``[out, in]`` matrix as int8 values and one scale per output row (module doc).
+
+    Attributes:
+        q: ``[out, in]`` int8, ``|q| <= 127``.
+        scale: ``[out]`` bfloat16 (the kernel's activation dtype), > 0.
+        dtype: the dtype the model computes in: inputs arrive and outputs leave in it.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[out, in]``, as the matrix it stands for."""
+        return self.q.shape
+
+    def dequantized(self) -> torch.Tensor:
+        """``s_o * q_oi`` as a float32 ``[out, in]`` matrix (what the kernel multiplies)."""
+        return self.q.float() * self.scale.float()[:, None]
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Matrix:
+    """``weight [out, in]`` (any float dtype, dense) -> its per-row symmetric int8 copy."""
+    w = weight.detach().float()  # [out, in]
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
+    scale = scale.to(torch.bfloat16)  # the kernel's dtype; quantize against the rounded one
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)  # [out, in]
+    return Int8Matrix(q.contiguous(), scale.contiguous(), weight.dtype)
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Matrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [N, in] -> x @ (s * q).T + bias`` ``[N, out]`` in ``x``'s dtype, the product taken
+    with bfloat16 activations (module doc)."""
+    y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), weight.q, weight.scale)
+    y = y.to(x.dtype)  # [N, out]
+    return y if bias is None else y + bias
