@@ -44,7 +44,7 @@ from dataclasses import replace
 import torch
 
 from specflow.acceptance import StandardAcceptor
-from specflow.catchup import catch_up, context_start, session_tokens
+from specflow.catchup import catch_up, context_start
 from specflow.errors import ConfigError, SpecflowError
 from specflow.kv.base import ModelInfo, check_same_tokenizer
 from specflow.protocols import (
@@ -361,7 +361,7 @@ class SpeculativePipeline:
             catchup_s += catch_up(states, use.lm, use.exit_layer, slack=1, window=window).seconds
         inners = [self._inner.get(st) for st in states]
         for inner, st in zip(inners, states, strict=True):
-            inner.tokens = list(session_tokens(st, window))
+            inner.tokens = st.tokens[context_start(st, window):]  # a copy
         starts = [len(inner.tokens) for inner in inners]
         q_rows: list[list[torch.Tensor]] = [[] for _ in states]
         while True:
@@ -397,7 +397,7 @@ class SpeculativePipeline:
         tokens start at ``context_start``)."""
         start = context_start(state, self.context_window)
         inner = DecodeState(
-            tokens=list(state.tokens[start:]),
+            tokens=state.tokens[start:],  # a copy
             prompt_len=state.prompt_len - start,
             max_len=state.max_len,
             sampling=state.sampling,

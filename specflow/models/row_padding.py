@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.native import NativeLM, dense, linear
+from specflow.models.native import MATRICES, NativeLM, dense, linear
 
 log = logging.getLogger(__name__)
 
@@ -199,26 +199,20 @@ def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers:
     model has them; an unpacked model is never padded (``chosen`` 1; nothing timed unless
     it has int8 copies, whose rivals are then its dense matrices)."""
     n = max(1, layers)
-    used = [[w.wqkv, w.wo, w.w_gate_up, w.w_down] for w in lm.layers[:n]]
-    extra = [r for r in priced if r not in candidates]
-    int8 = ([[w.wqkv, w.wo, w.w_gate_up, w.w_down] for w in lm.int8_layers[:n]]
-            if lm.int8_layers else [])
-    if not lm.packed:
-        if not int8:
-            return RowProbe({}, 1)
-        timed = time_rows([[dense(w) for w in layer] for layer in used],
-                          [*candidates, *extra], repeats)
-        return RowProbe({r: timed[r] for r in candidates}, 1, {r: timed[r] for r in extra},
-                        {}, time_rows(int8, [*candidates, *extra], repeats))
-    timed = time_rows(used, [*candidates, *extra], repeats)
+    used = [[getattr(w, m) for m in MATRICES] for w in lm.layers[:n]]
+    int8 = [[getattr(w, m) for m in MATRICES] for w in lm.int8_layers[:n]]
+    if not lm.packed and not int8:
+        return RowProbe({}, 1)
+    counts = [*candidates, *(r for r in priced if r not in candidates)]
+    timed = time_rows(used, counts, repeats)  # the own matrices: packed, or dense
+    seconds = {r: timed[r] for r in candidates}
     # the same layers dense (as many weights streamed: fewer would sit in the cache and
     # look faster than they run), fewer repeats: enough to see a kernel that wins clearly
-    dense_timed = time_rows([[dense(w) for w in layer] for layer in used],
-                            [*candidates, *extra], max(1, repeats // 2))
-    seconds = {r: timed[r] for r in candidates}
-    int8_timed = time_rows(int8, [*candidates, *extra], repeats) if int8 else {}
-    return RowProbe(seconds, choose_min_rows(seconds), {r: timed[r] for r in extra},
-                    dense_timed, int8_timed)
+    dense_timed = (time_rows([[dense(w) for w in layer] for layer in used], counts,
+                             max(1, repeats // 2)) if lm.packed else {})
+    return RowProbe(seconds, choose_min_rows(seconds) if lm.packed else 1,
+                    {r: t for r, t in timed.items() if r not in candidates}, dense_timed,
+                    time_rows(int8, counts, repeats) if int8 else {})
 
 
 def use_dense_rows(lm: NativeLM, rows: frozenset[int]) -> None:
