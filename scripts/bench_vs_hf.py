@@ -15,7 +15,8 @@ alone where it matches 3 tokens or more; and ``ours_pld_tree_sps_k4``/``_k6``: p
 else the draft model drafting k tokens, itself sped up by the token trees it verifies;
 ``ours_pld_sps_int8``, ``ours_pld_tree_sps_k4_int8``: the same with the draft model's
 int8 copies, ``model.quantize=int8``, where the row probe finds them faster; ``*_window``:
-and the draft model seeing only the last ``--context-window`` prompt tokens).
+and the draft model seeing only the last ``--context-window`` prompt tokens; ``*_aten``: the
+int8 copies multiplied by ATen's kernel instead of the rows kernel, as where it cannot run).
 Beside tokens/s end to end it reports time to first token (TTFT: prefill and the first
 round) and time per output token after it (TPOT), each method's TPOT against ours plain,
 and for ours the verify rows per round and a round's verify cost in plain steps.
@@ -30,6 +31,7 @@ else a separately loaded copy (``--shared-hf`` reuses specflow's, to save memory
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -49,6 +51,7 @@ import torch  # noqa: E402
 from specflow.acceptance import StandardAcceptor  # noqa: E402
 from specflow.cpu import probe_cpu, resolve_dtype  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
+from specflow.models import rows_kernel  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
 from specflow.models.row_padding import (  # noqa: E402
@@ -106,6 +109,21 @@ class FirstTokenClock:
 
     def end(self) -> None:
         pass
+
+
+def aten_int8_twin(lm: NativeLM) -> NativeLM:
+    """``lm`` (with int8 copies) again, sharing its own weights, its int8 copies remade in
+    ATen's layout and multiplied by ATen's kernel (``*_aten``), probed on its own."""
+    twin = copy.copy(lm)
+    twin.int8_layers, twin.int8_head, twin.int8_rows = [], None, frozenset()
+    twin.row_probe = None
+    status = rows_kernel.kernel_status
+    rows_kernel.kernel_status = lambda: rows_kernel.KernelStatus(None, "ATen's kernel asked")
+    try:
+        twin.make_int8_copies()
+    finally:
+        rows_kernel.kernel_status = status
+    return twin
 
 
 def main() -> None:
@@ -203,6 +221,8 @@ def main() -> None:
     wants_int8 = args.only is None or any("_int8" in m for m in args.only)
     drafter8 = (load_model(args.drafter, dtype=args.drafter_dtype, quantize="int8", **SETTINGS)
                 if args.drafter and wants_int8 and not args.no_int8 else None)
+    drafter8_aten = (aten_int8_twin(drafter8.lm) if drafter8 is not None and
+                     (args.only is None or any(m.endswith("_aten") for m in args.only)) else None)
     hf_target = hf_copy(args.target, args.shared_hf)
     hf_drafter = hf_copy(args.drafter, args.shared_hf, args.drafter_dtype) if drafter else None
     tok = target.tokenizer
@@ -325,6 +345,14 @@ def main() -> None:
             ours["ours_pld_tree_sps_k4_int8_window"] = SpeculativePipeline(
                 verifier, StandardAcceptor(), drafter=FallbackDrafter(
                     fallback_pld(), tree_sps(4, drafter8.lm, args.context_window)))
+        if drafter8_aten is not None:  # the same, int8 by ATen's kernel
+            ours["ours_pld_sps_int8_window_aten"] = SpeculativePipeline(
+                verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                    fallback_pld(), ModelDrafter(drafter8_aten, k=args.k,
+                                                 context_window=args.context_window)))
+            ours["ours_pld_tree_sps_k4_int8_window_aten"] = SpeculativePipeline(
+                verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                    fallback_pld(), tree_sps(4, drafter8_aten, args.context_window)))
         ours["ours_model_and_tree"] = SpeculativePipeline(
             verifier, StandardAcceptor(), drafter=model_and_tree())
         ours["ours_suffix_then_model_and_tree"] = SpeculativePipeline(
@@ -383,6 +411,7 @@ def main() -> None:
         )
 
     padded_models = [m.lm for m in (target, drafter, drafter8) if m is not None]
+    padded_models += [drafter8_aten] if drafter8_aten is not None else []
     padded_rows = args.min_rows  # the <method>_rows variants' row count (0: probe it)
     if padded_rows == 0:
         probe = row_probe(target.lm)  # the one probe (a measured tree drafter reads it)

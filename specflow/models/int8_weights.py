@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specflow.models import rows_kernel
+
 QUANTIZE_CHOICES = ("int8",)
 
 
@@ -30,37 +32,52 @@ class Int8Matrix:
     """An ``[out, in]`` matrix as int8 values and one scale per output row (module doc).
 
     Attributes:
-        q: ``[out, in]`` int8, ``|q| <= 127``.
-        scale: ``[out]`` bfloat16 (the kernel's activation dtype), > 0.
+        q: ``|q| <= 127`` int8: ``[out, in]`` for ATen's kernel, or blocked for the rows
+            kernel, ``[ceil(out/8), in, 8]`` (``rows_kernel.block_int8``).
+        scale: ``[out]``, > 0 and a bfloat16 value: bfloat16 for ATen's kernel (its activation
+            dtype), float32 for the rows kernel.
         dtype: the dtype the model computes in: inputs arrive and outputs leave in it.
+        blocked: which layout and kernel (above).
     """
 
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    blocked: bool = False
 
     @property
     def shape(self) -> torch.Size:
         """``[out, in]``, as the matrix it stands for."""
-        return self.q.shape
+        return torch.Size((self.scale.shape[0], self.q.shape[1]))
 
     def dequantized(self) -> torch.Tensor:
         """``s_o * q_oi`` as a float32 ``[out, in]`` matrix (what the kernel multiplies)."""
-        return self.q.float() * self.scale.float()[:, None]
+        q = self.q
+        if self.blocked:  # [B, in, 8] -> [B * 8, in], the padding rows dropped
+            q = q.permute(0, 2, 1).reshape(-1, q.shape[1])[: self.scale.shape[0]]
+        return q.float() * self.scale.float()[:, None]
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Matrix:
-    """``weight [out, in]`` (any float dtype, dense) -> its per-row symmetric int8 copy."""
+def quantize_int8(weight: torch.Tensor, blocked: bool = False) -> Int8Matrix:
+    """``weight [out, in]`` (any float dtype, dense) -> its per-row symmetric int8 copy, in
+    ATen's layout or (``blocked``) the rows kernel's."""
     w = weight.detach().float()  # [out, in]
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
     scale = scale.to(torch.bfloat16)  # the kernel's dtype; quantize against the rounded one
     q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)  # [out, in]
+    if blocked:
+        return Int8Matrix(rows_kernel.block_int8(q), scale.float().contiguous(), weight.dtype,
+                          blocked=True)
     return Int8Matrix(q.contiguous(), scale.contiguous(), weight.dtype)
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Matrix, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [N, in] -> x @ (s * q).T + bias`` ``[N, out]`` in ``x``'s dtype, the product taken
-    with bfloat16 activations (module doc)."""
+    with bfloat16 activations by ATen's kernel, float32 ones by the rows kernel (module doc)."""
+    if weight.blocked:
+        b = None if bias is None else bias.float().contiguous()
+        y = rows_kernel.rows_linear_i8(x, weight.q, weight.scale, b, weight.shape[0])
+        return y.to(x.dtype)  # [N, out]
     y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), weight.q, weight.scale)
     y = y.to(x.dtype)  # [N, out]
     return y if bias is None else y + bias

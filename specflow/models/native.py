@@ -39,6 +39,7 @@ from torch import nn
 from specflow import cpu
 from specflow.errors import ConfigError
 from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, ModelInfo
+from specflow.models import rows_kernel
 from specflow.models.int8_weights import Int8Matrix, int8_linear, quantize_int8
 
 log = logging.getLogger("specflow")
@@ -487,12 +488,21 @@ class NativeLM:
         quarter of the fp32 weights' memory), used by no pass until ``set_int8_rows``."""
         if self.int8_layers:
             return
+        status = rows_kernel.kernel_status()
+        if not status.available:
+            log.info("%s: int8 copies for ATen's kernel (the rows kernel: %s)", self.info.name,
+                     status.why)
+        blocked = status.available and self.device.type == "cpu"
+
+        def quantize(weight: torch.Tensor) -> Int8Matrix:
+            return quantize_int8(dense(weight), blocked)
+
         with torch.no_grad():
             self.int8_layers = [
-                replace(w, **{name: quantize_int8(dense(getattr(w, name))) for name in MATRICES})
+                replace(w, **{name: quantize(getattr(w, name)) for name in MATRICES})
                 for w in self.layers
             ]
-            self.int8_head = quantize_int8(self.lm_head)
+            self.int8_head = quantize(self.lm_head)
 
     def set_int8_rows(self, rows: frozenset[int]) -> None:
         """Run passes of ``rows`` rows on the int8 copies (``make_int8_copies`` first); they
