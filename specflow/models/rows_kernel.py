@@ -7,10 +7,10 @@ with the accumulators in AVX2 registers (its header has the loop and the invaria
     y[m, n] = s_n * sum_{k=0..K-1} x[m, k] q[n, k]  (+ b_n)      left to right, in float
 
 A row's result is the same whatever the other rows, their number or the thread split.
-Measured on a 2-core AMD EPYC (Zen 4; ``scripts/profile_step.py --int8``, the 0.5B's 24
-layers and LM head streamed): 30 ms a step at 1 row and 55 ms at 6 rows against ATen's
-``_weight_int8pack_mm`` (bf16 activations) 38 and 89 ms with AVX2 code, 27 and 53 against 33
-and 78 ms at AVX-512 -- the kernel keeps the activations in float32 as well.
+Measured on a 2-core AMD EPYC (Zen 4) capped at AVX2 (``scripts/profile_step.py --model
+qwen2.5-coder-0.5b --context 400 --int8``, a whole step): 31 ms at 1 row and 58 ms at 6 rows
+against 42 and 99 ms with ATen's ``_weight_int8pack_mm`` (bf16 activations); the kernel keeps
+the activations in float32 as well.
 
 It is C++ built once per machine by the system compiler (``c++``/``g++``, flags ``FLAGS``)
 into ``<cache root>/kernels/`` (the file named by a hash of the source and flags) and loaded
@@ -122,9 +122,10 @@ def kernel_status() -> KernelStatus:
             log.info("building the int8 rows kernel with %s into %s", compiler, path)
             _build(compiler, path)
         return KernelStatus(_load(path))
+    except subprocess.CalledProcessError as err:  # the compiler's own message
+        return KernelStatus(None, f"building {SOURCE.name} failed: {err.stderr.strip()[:300]}")
     except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or str(err)
-        return KernelStatus(None, f"building {SOURCE.name} failed: {detail.strip()[:300]}")
+        return KernelStatus(None, f"building {SOURCE.name} failed: {err}")
 
 
 def block_int8(q: torch.Tensor) -> torch.Tensor:
