@@ -123,14 +123,14 @@ def prepare_run(cfg: DictConfig, out: Path) -> PreparedRun:
     runner = Runner(pipeline, target.tokenizer, settings, sampling, callbacks)
     config = OmegaConf.to_container(cfg, resolve=True)
     folder = RunFolder(out, resume=cfg.resume, fingerprint=results_fingerprint(config))
-    from specflow.models.row_padding import row_padding_info
+    from specflow.models.row_padding import run_row_padding
 
     meta = RunMeta(
         method=cfg.method,
         target_model=pipeline.info.name,
         models=[info.name for info in pipeline.models()],
         config=config,
-        row_padding={target.info.name: row_padding_info(target.lm)},
+        row_padding=run_row_padding([target.lm, *(use.lm for use in pipeline.uses())]),
     )
     return PreparedRun(runner, list(workload.requests()), folder, meta)
 

@@ -468,7 +468,7 @@ class RunMeta:
     models: list[str] | None = None
     config: dict[str, Any] | None = None
     machine: dict[str, Any] | None = None
-    row_padding: dict[str, Any] | None = None  # model name -> its model.min_rows in effect
+    row_padding: dict[str, Any] | None = None  # model name -> its row padding, int8 rows
     started: str | None = None
     output_dir: str | None = None
 

@@ -80,7 +80,7 @@ def test_apply_min_rows_sets_probes_once_and_refuses_bad_values(monkeypatch):
     assert lm.min_rows == 3 and calls == [lm]  # probed once, then remembered
     assert row_padding_info(lm) == {"min_rows": 3, "probe_ms": {"1": 1000.0, "3": 500.0},
                                     "dense_ms": None, "dense_rows": [], "int8_ms": None,
-                                    "int8_rows": []}
+                                    "int8_rows": [], "int8_kernel": None}
     assert row_padding_info(hf) == {"min_rows": 1}
     for bad in (0, -2, "four"):
         with pytest.raises(ConfigError, match="min_rows"):

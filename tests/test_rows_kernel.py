@@ -5,6 +5,8 @@ tokens."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from specflow.engine import SpeculativePipeline
 from specflow.models import rows_kernel
 from specflow.models.int8_weights import int8_linear, quantize_int8
 from specflow.models.native import NativeLM
+from specflow.models.row_padding import run_row_padding
 from specflow.models.rows_kernel import KernelStatus, block_int8, kernel_status, rows_linear_i8
 from stages.fallback_drafter import FallbackDrafter
 from stages.full_verifier import FullVerifier
@@ -154,3 +157,18 @@ def test_both_int8_branches_draft_hf_greedy_tokens(kernel, target, monkeypatch):
     drafted = sum(g.stats.drafted for g in gens)
     accepted = sum(g.stats.accepted for g in gens)
     assert 0 < accepted and accepted > drafted // 2
+
+
+def test_a_runs_summary_records_every_model_and_its_int8_kernel(target, monkeypatch):
+    """``RunMeta.row_padding``: the target and the draft model by name, the draft's int8
+    kernel named (``rows`` where the kernel runs, ``aten`` where it does not)."""
+    hf, lm = target
+    info = replace(lm.info, name="tiny-draft")
+    rows = NativeLM.from_hf(hf, info)
+    monkeypatch.setattr(rows_kernel, "kernel_status", lambda: KernelStatus(None, "off"))
+    rows.make_int8_copies()
+    rows.set_int8_rows(frozenset({1}))
+    meta = run_row_padding([lm, rows, lm])
+    assert list(meta) == [lm.info.name, "tiny-draft"]
+    assert meta[lm.info.name]["int8_kernel"] is None and meta[lm.info.name]["int8_rows"] == []
+    assert meta["tiny-draft"]["int8_kernel"] == "aten" and meta["tiny-draft"]["int8_rows"] == [1]

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specflow.errors import ConfigError
+from specflow.kv.base import LayeredLM
 from specflow.models.native import MATRICES, NativeLM, dense, linear
 
 log = logging.getLogger(__name__)
@@ -300,7 +301,9 @@ def row_prices(lm: object) -> RowPrices | None:
 
 def row_padding_info(lm: object) -> dict[str, object]:
     """What a run's summary records of a model's row padding (``RunMeta.row_padding``):
-    ``min_rows`` and, when it was probed, the probe's milliseconds by row count."""
+    ``min_rows`` and, when it was probed, the probe's milliseconds by row count; with int8
+    copies (``model.quantize=int8``) the kernel that multiplies them, ``int8_kernel``:
+    ``rows`` (``specflow.models.rows_kernel``) or ``aten`` (``None`` without copies)."""
     if not isinstance(lm, NativeLM):
         return {"min_rows": 1}
     probe = lm.row_probe
@@ -311,7 +314,14 @@ def row_padding_info(lm: object) -> dict[str, object]:
                 if isinstance(probe, RowProbe) and probe.dense else None)
     int8_ms = ({str(r): round(t * 1e3, 3) for r, t in sorted(probe.int8.items())}
                if isinstance(probe, RowProbe) and probe.int8 else None)
+    kernel = None if lm.int8_head is None else "rows" if lm.int8_head.blocked else "aten"
     return {"min_rows": lm.min_rows, "probe_ms": probed, "dense_ms": dense_ms,
             "dense_rows": sorted(lm.dense_rows), "int8_ms": int8_ms,
-            "int8_rows": sorted(lm.int8_rows)}
+            "int8_rows": sorted(lm.int8_rows), "int8_kernel": kernel}
 
+
+
+def run_row_padding(lms: Sequence[LayeredLM]) -> dict[str, dict[str, object]]:
+    """``RunMeta.row_padding``: ``row_padding_info`` of every model a run runs (the target
+    first, then its drafters' models), by model name; a model named twice is recorded once."""
+    return {lm.info.name: row_padding_info(lm) for lm in lms}
