@@ -172,3 +172,11 @@ def test_a_runs_summary_records_every_model_and_its_int8_kernel(target, monkeypa
     assert list(meta) == [lm.info.name, "tiny-draft"]
     assert meta[lm.info.name]["int8_kernel"] is None and meta[lm.info.name]["int8_rows"] == []
     assert meta["tiny-draft"]["int8_kernel"] == "aten" and meta["tiny-draft"]["int8_rows"] == [1]
+
+
+def test_int8_copies_take_atens_layout_when_asked(target):
+    hf, lm = target
+    draft = NativeLM.from_hf(hf, lm.info)
+    draft.make_int8_copies(blocked=False)
+    assert not draft.int8_head.blocked and draft.int8_head.q.shape == draft.lm_head.shape
+    assert not any(w.wqkv.blocked for w in draft.int8_layers)

@@ -483,16 +483,19 @@ class NativeLM:
             weights = self.dense_layers[layer]
         return self.forward_layer(weights, hidden, batch, memo)
 
-    def make_int8_copies(self) -> None:
+    def make_int8_copies(self, blocked: bool | None = None) -> None:
         """Make int8 copies of every layer's matrices and of the LM head (once; about a
-        quarter of the fp32 weights' memory), used by no pass until ``set_int8_rows``."""
+        quarter of the fp32 weights' memory), used by no pass until ``set_int8_rows``:
+        blocked for the int8 rows kernel (``blocked=None``: on a CPU where it runs) or in
+        ATen's layout (``False``)."""
         if self.int8_layers:
             return
-        status = rows_kernel.kernel_status()
-        if not status.available:
-            log.info("%s: int8 copies for ATen's kernel (the rows kernel: %s)", self.info.name,
-                     status.why)
-        blocked = status.available and self.device.type == "cpu"
+        if blocked is None:
+            status = rows_kernel.kernel_status()
+            if not status.available:
+                log.info("%s: int8 copies for ATen's kernel (the rows kernel: %s)",
+                         self.info.name, status.why)
+            blocked = status.available and self.device.type == "cpu"
 
         def quantize(weight: torch.Tensor) -> Int8Matrix:
             return quantize_int8(dense(weight), blocked)
