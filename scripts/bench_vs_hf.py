@@ -16,7 +16,9 @@ else the draft model drafting k tokens, itself sped up by the token trees it ver
 ``ours_pld_sps_int8``, ``ours_pld_tree_sps_k4_int8``: the same with the draft model's
 int8 copies, ``model.quantize=int8``, where the row probe finds them faster; ``*_window``:
 and the draft model seeing only the last ``--context-window`` prompt tokens; ``*_aten``: the
-int8 copies multiplied by ATen's kernel instead of the rows kernel, as where it cannot run).
+int8 copies multiplied by ATen's kernel instead of the rows kernel, as where it cannot run;
+``ours_pld_sps_int8_window_sub32k``: the draft model scoring only token ids below 32768 and
+the prompt's, ``drafter.vocab_subset=32768``).
 Beside tokens/s end to end it reports time to first token (TTFT: prefill and the first
 round) and time per output token after it (TPOT), each method's TPOT against ours plain,
 and for ours the verify rows per round and a round's verify cost in plain steps.
@@ -335,6 +337,10 @@ def main() -> None:
             ours["ours_pld_sps_int8_window"] = SpeculativePipeline(
                 verifier, StandardAcceptor(), drafter=FallbackDrafter(
                     fallback_pld(), ModelDrafter(drafter8.lm, k=args.k,
+                                                 context_window=args.context_window)))
+            ours["ours_pld_sps_int8_window_sub32k"] = SpeculativePipeline(  # + vocab_subset
+                verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                    fallback_pld(), ModelDrafter(drafter8.lm, k=args.k, vocab_subset=32768,
                                                  context_window=args.context_window)))
             ours["ours_pld_tree_sps_k4_int8_window"] = SpeculativePipeline(
                 verifier, StandardAcceptor(), drafter=FallbackDrafter(

@@ -239,6 +239,7 @@ def main() -> None:
             for (name, b), r in runs.items()
         }
         out["fp32_identity"] = fp32_same
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "gpu_check.json").write_text(json.dumps(out, indent=2, default=str))
 
 

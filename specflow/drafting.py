@@ -11,6 +11,7 @@ from specflow.catchup import catch_up
 from specflow.errors import ConfigError
 from specflow.kv.base import LayeredLM
 from specflow.kv.session import forward_exit_hidden
+from specflow.models.int8_weights import PREFIX_ALIGN
 from specflow.models.native import NativeLM
 from specflow.sampling import choose
 from specflow.state import DecodeState, Draft
@@ -26,14 +27,22 @@ class SubVocabHead:
     sampling, q is the distribution actually sampled from (renormalized over the subset,
     zero elsewhere), which is what the rejection sampler needs.
 
+    The subset is ids ``0..prefix-1`` (scored by the model's own head rows, a view:
+    ``NativeLM.head_prefix``, through its int8 copy where the model runs one) followed by a
+    request's ``extra`` ids above them (their rows copied, a few hundred at most), so
+    ``logits = [head_prefix(x, prefix) | x @ extra_weight.T]`` and ``ids`` is ascending.
+
     Attributes:
-        ids: ``[N]`` the vocabulary ids kept, ascending.
-        weight: ``[N, H]`` their rows of the LM head.
+        ids: ``[N]`` the vocabulary ids kept, ascending: ``0..prefix-1``, then the extras.
+        prefix: how many of the lowest ids the model's head scores (a multiple of
+            ``int8_weights.PREFIX_ALIGN``, possibly 0).
+        extra_weight: ``[N - prefix, H]`` the LM head's rows of the other ids.
         vocab_size: V, to scatter q back to the full vocabulary.
     """
 
     ids: torch.Tensor
-    weight: torch.Tensor
+    prefix: int
+    extra_weight: torch.Tensor
     vocab_size: int
 
     @staticmethod
@@ -56,16 +65,23 @@ class SubVocabHead:
         the Qwen2.5 and SmolLM2 models here generate on Spec-Bench.
         """
         lm = cls.check_supported(model)
-        weight = lm.lm_head  # [V, H]
         vocab = lm.info.vocab_size
-        extra = torch.tensor([t for t in always if 0 <= t < vocab], dtype=torch.long)
-        ids = torch.cat([torch.arange(min(top_ids, vocab)), extra]).unique()  # sorted
-        return cls(ids, weight.index_select(0, ids.to(weight.device)).contiguous(), vocab)
+        top = min(top_ids, vocab)
+        prefix = top - top % PREFIX_ALIGN
+        extra = [t for t in always if prefix <= t < vocab] + list(range(prefix, top))
+        extra_ids = torch.tensor(sorted(set(extra)), dtype=torch.long)  # [E], all >= prefix
+        ids = torch.cat([torch.arange(prefix), extra_ids])  # [N], ascending
+        weight = lm.lm_head  # [V, H]
+        extra_weight = weight.index_select(0, extra_ids.to(weight.device)).contiguous()
+        return cls(ids, prefix, extra_weight, vocab)
 
     def logits(self, lm: NativeLM, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
         """``h_exit [T, H] -> logits [T, N]`` (float32) over the subset."""
         x = lm.head_input(hidden, exit_layer)  # [T, H]
-        return F.linear(x, self.weight).float()  # [T, N]
+        parts = [lm.head_prefix(x, self.prefix)] if self.prefix else []  # [T, prefix]
+        if self.extra_weight.shape[0]:
+            parts.append(F.linear(x, self.extra_weight).float())  # [T, N - prefix]
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # [T, N]
 
     def to_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """``[T, N]`` distributions over the subset -> ``[T, V]`` (zero outside it)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specflow.acceptance import StandardAcceptor
 from specflow.drafting import SubVocabHead, draft_with_model
@@ -12,6 +13,7 @@ from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.session import ModelSession
 from specflow.kv.stores import KVStores
+from specflow.models.int8_weights import quantize_int8
 from specflow.models.native import NativeLM
 from specflow.models.tiny import tiny_model_info
 from specflow.scheduler import generate
@@ -86,3 +88,37 @@ def test_vocab_subsets_per_request_at_batch_three(tiny_target, tiny_drafter):
     got = {r.request.tag: r.generation for r in res}
     assert [got[i].tokens for i in range(3)] == [hf_greedy(hf, p, 30) for p in prompts]
     assert all(got[i].stats.drafted > 0 for i in range(3))
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_an_int8_prefix_is_a_view_of_the_first_rows(blocked):
+    w = torch.randn(21, 6)
+    full = quantize_int8(w, blocked=blocked)  # 21 rows: the blocked copy's last block ragged
+    pre = full.prefix(16)
+    assert pre.shape == (16, 6) and pre.blocked == blocked
+    assert pre.q.data_ptr() == full.q.data_ptr()  # a view, not a copy
+    assert torch.equal(pre.dequantized(), full.dequantized()[:16])
+    for bad in (12, 0, 24):
+        with pytest.raises(ValueError, match=f"multiple of 8 rows in 1..21, got {bad}"):
+            full.prefix(bad)
+
+
+def test_the_subset_head_scores_its_prefix_through_the_int8_head(tiny_drafter):
+    """With the model's int8 copies at one row, the subset's low ids come from the int8 LM
+    head's first rows (bit for bit the full int8 head's columns) and the extra ids from
+    their own float rows; the prefix is cut to a multiple of 8, the rest made extras."""
+    hf, shared = tiny_drafter
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, "int8 copy"))
+    lm.make_int8_copies()
+    lm.set_int8_rows(frozenset({1}))
+    head = SubVocabHead.build(lm, 19, always=[40, 3])
+    assert head.prefix == 16 and head.ids.tolist() == list(range(19)) + [40]
+    assert head.extra_weight.shape[0] == 4
+    top = lm.info.num_layers
+    h = lm.embed(torch.tensor([7]))  # [1, H]
+    sub = head.logits(lm, h, top)  # [1, 20]
+    assert torch.equal(sub[:, :16], lm.head(h, top)[:, :16])  # the int8 head's columns
+    x = lm.head_input(h, top)
+    torch.testing.assert_close(sub[:, 16:], F.linear(x, lm.lm_head[[16, 17, 18, 40]]).float())
+    two = lm.embed(torch.tensor([7, 9]))  # 2 rows: not an int8 row count, the float head
+    torch.testing.assert_close(head.logits(lm, two, top), lm.head(two, top)[:, head.ids])

@@ -569,6 +569,17 @@ class NativeLM:
         return linear(x, self.head_weight, None, self.min_rows).float()  # [T, V]
 
     @torch.no_grad()
+    def head_prefix(self, x: torch.Tensor, ids: int) -> torch.Tensor:
+        """``x [T, H]`` (``head_input``'s output) ``-> logits [T, ids]`` float32 of token ids
+        ``0..ids-1`` only: the first ``ids`` rows of the LM head, a view, not a copy (the
+        int8 copy's when ``T`` is one of ``int8_rows``; then ``ids`` is a multiple of
+        ``int8_weights.PREFIX_ALIGN``).  A drafter's vocabulary subset
+        (``specflow.drafting.SubVocabHead``)."""
+        if x.shape[0] in self.int8_rows and self.int8_head is not None:
+            return int8_linear(x, self.int8_head.prefix(ids), None).float()  # [T, ids]
+        return F.linear(x, self.lm_head[:ids]).float()  # [T, ids]
+
+    @torch.no_grad()
     def head_input(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
         """``h_exit [T, H] -> x [T, H]``, what the LM head multiplies: the exit's trained head
         when one is attached, else the final norm.  ``head(h) = x @ lm_head.T``."""
