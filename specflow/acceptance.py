@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 
 from specflow.errors import ConfigError
-from specflow.sampling import sample, warp
+from specflow.sampling import greedy_tokens, sample, warp
 from specflow.state import Acceptance, DecodeState, Draft
 
 
 def greedy_accept(draft_tokens: list[int], target_logits: torch.Tensor) -> Acceptance:
     """``target_logits [k+1, V]`` -> longest matching prefix + the target's next token."""
-    choice = target_logits.argmax(-1).tolist()  # [k+1]
+    choice = greedy_tokens(target_logits)  # [k+1]
     accepted = 0
     for proposed, wanted in zip(draft_tokens, choice[:-1], strict=True):
         if proposed != wanted:
@@ -45,7 +45,7 @@ def greedy_tree_accept(
 ) -> Acceptance:
     """``target_logits [1 + len(nodes), V]`` (row 0: after the committed tokens, row i+1:
     after the path to node i) -> the kept path and the target's next token."""
-    choice = target_logits.argmax(-1).tolist()  # [1 + nodes]
+    choice = greedy_tokens(target_logits)  # [1 + nodes]
     path: list[int] = []
     row = 0
     while True:

@@ -76,6 +76,20 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """``logits [T, V] -> `` each row's argmax, the first index of its maximum (as
+    ``logits.argmax(-1).tolist()``).
+
+    On the host, float32 rows go through NumPy's argmax: vectorised, 7-15 times faster than
+    torch's CPU argmax here (a 49,152-token row: 4 us against 44-64 us, on an AMD EPYC), which
+    counts where every verified row's logits come to the host (14-17 % of a batch-8 round of
+    SmolLM2 on a GPU).  Other dtypes and devices: torch's.
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().contiguous().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def choose(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[list[int], torch.Tensor | None]:
@@ -85,6 +99,6 @@ def choose(
     from (``None`` when greedy: the choice is deterministic, q is one-hot).
     """
     if params.greedy:
-        return logits.argmax(-1).tolist(), None
+        return greedy_tokens(logits), None
     probs = warp(logits, params)
     return sample(probs, generator).tolist(), probs

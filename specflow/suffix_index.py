@@ -85,6 +85,47 @@ class SuffixIndex:
         if self.num_tokens > self.max_tokens:
             self._evict(keep=tokens)
 
+    def replace(self, old: list[int], new: list[int]) -> None:
+        """The sequence ``old`` goes on as the list ``new`` (the same text up to their common
+        prefix, then ``new``'s): e.g. a nested pipeline's request, whose committed tokens the
+        outer pipeline rewrites each round as a fresh list.  The n-grams ending past the
+        common prefix are dropped and ``new`` is indexed from there on, under the same
+        sequence, so the text is never indexed twice.  ``old`` unknown (never added, or
+        evicted): ``new`` is added."""
+        seq = self._seqs.pop(id(old), None)
+        if seq is None or id(new) in self._seqs:
+            if seq is not None:  # new already registered on its own: drop old's entries
+                self._drop_from(seq, 0)
+                del self._by_serial[seq.serial]
+            self.add(new)
+            return
+        keep = 0
+        for a, b in zip(seq.tokens, new, strict=False):  # the common indexed prefix
+            if a != b or keep >= seq.indexed:
+                break
+            keep += 1
+        self._drop_from(seq, keep)
+        seq.tokens = new
+        self._seqs[id(new)] = seq
+
+    def _drop_from(self, seq: _Sequence, start: int) -> None:
+        """Remove ``seq``'s index entries of the n-grams ending past ``start`` tokens (read
+        from the tokens they were indexed from); ``seq.indexed = start``."""
+        toks = seq.tokens
+        for p in range(start, seq.indexed):
+            for n in range(self.min_ngram, min(self.max_ngram, p + 1) + 1):
+                key = tuple(toks[p + 1 - n : p + 1])
+                hits = self._index.get(key)
+                if hits is None:
+                    continue
+                for j in range(len(hits) - 1, -1, -1):  # recent entries sit at the end
+                    if hits[j] == (seq.serial, p + 1):
+                        del hits[j]
+                        break
+                if not hits:
+                    del self._index[key]
+        seq.indexed = min(seq.indexed, start)
+
     def sequences(self) -> list[list[int]]:
         """Copies of the indexed sequences, oldest first (what ``add`` would rebuild the
         index from)."""

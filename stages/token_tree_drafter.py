@@ -100,6 +100,14 @@ class _LastDraft:
     evidence: list[tuple[Hashable, ...]] = field(default_factory=list)
 
 
+@dataclass
+class _IndexedTokens:
+    """The token list a request's suffix matches last read (a nested pipeline's request gets
+    a fresh list each outer round: ``SuffixIndex.replace`` carries its entries over)."""
+
+    tokens: list[int] | None = None
+
+
 class TokenTreeDrafter:
     """Token trees from suffix matches and recycled target logits (module doc).
 
@@ -153,6 +161,7 @@ class TokenTreeDrafter:
         self.calibration = AcceptanceCalibration(calibration_strength)
         self.row_cost = row_cost
         self._last: RequestLocal[_LastDraft] = RequestLocal(lambda _state: _LastDraft())
+        self._indexed: RequestLocal[_IndexedTokens] = RequestLocal(lambda _s: _IndexedTokens())
         if isinstance(self.lm, NativeLM) and self.lm.packed and self.lm.device.type == "cpu":
             row_probe(self.lm)  # prices of verify rows: probed once per model and process
         self.keep: Path | None = None
@@ -180,6 +189,7 @@ class TokenTreeDrafter:
         if self.suffix is not None:
             for st in states:
                 self.suffix.add(st.tokens)
+                self._indexed.get(st).tokens = st.tokens
         if self.keep is not None:
             self.save_tables()
 
@@ -213,7 +223,13 @@ class TokenTreeDrafter:
         width = self.branches if greedy else 1
         room = state.max_len - len(state.tokens)  # the context's free positions
         cap = min(self.max_nodes, room) if width > 1 else min(asked, room)
-        match = self.suffix.match(state.tokens, asked) if self.suffix is not None else None
+        match = None
+        if self.suffix is not None:
+            seen = self._indexed.get(state)
+            if seen.tokens is not None and seen.tokens is not state.tokens:
+                self.suffix.replace(seen.tokens, state.tokens)  # the same request, a new list
+            seen.tokens = state.tokens
+            match = self.suffix.match(state.tokens, asked)
         length = match.length if match is not None else 0
         children = self._children_fn(width, length)
         root = match.root if match is not None else None

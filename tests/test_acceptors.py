@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from specflow.acceptance import StandardAcceptor, greedy_accept, rejection_accept
 from specflow.engine import SpeculativePipeline
-from specflow.sampling import SamplingParams, warp
+from specflow.sampling import SamplingParams, greedy_tokens, warp
 from specflow.scheduler import generate
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
@@ -125,3 +125,20 @@ def test_sampled_pipeline_matches_target_distribution(tiny_target, tiny_drafter,
         [counts[c] for c in cells], [law[c] * trials / sum(law.values()) for c in cells]
     ).pvalue
     assert pvalue > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_tokens_are_torchs_argmax_first_maximum_included(dtype):
+    """The host's fast argmax (NumPy for float32) picks what ``argmax(-1)`` picks: the first
+    index of a tied maximum, on contiguous and strided rows, in every dtype."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 1000, generator=g).to(dtype)
+    logits[1, [10, 500, 999]] = 50.0  # a three-way tie: the first one
+    logits[2, :] = 0.0  # all equal: index 0
+    logits[3, 999] = 60.0  # the last index
+    want = logits.argmax(-1).tolist()
+    assert want[1:4] == [10, 0, 999]
+    assert greedy_tokens(logits) == want
+    strided = logits[:, ::2]  # [7, 500], not contiguous
+    assert greedy_tokens(strided) == strided.argmax(-1).tolist()
+    assert greedy_tokens(logits[4:5]) == [int(logits[4].argmax())]

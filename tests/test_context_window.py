@@ -140,3 +140,31 @@ def test_windows_are_refused_where_they_cannot_hold(models):
                                           r"also this pipeline's target"):
         SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
                             drafter=ModelDrafter(lm, k=2, exit_layer=2, context_window=4))
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_a_nested_tree_drafter_indexes_each_request_once(models, window):
+    """A nested pipeline hands its tree drafter a fresh token list every outer round; the
+    suffix index carries the request's entries over (``SuffixIndex.replace``) instead of
+    indexing its text again: after a run it holds one sequence per request, its text up to
+    the last outer round (then the inner pipeline's last drafts, at most k + 1 tokens
+    before the end differing), and the output is still HF's."""
+    hf, lm, draft = models
+    inner = SpeculativePipeline(FullVerifier(draft), StandardAcceptor(),
+                                drafter=tree_drafter(draft), level="draft", k=4,
+                                context_window=window)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=inner)
+    sched = Scheduler(pipe, 3, KVLayout(kind="paged", block_size=4), max_context=64)
+    prompts = PROMPTS[:3]
+    res = sched.generate([SeqRequest(p, MAX_NEW, tag=i) for i, p in enumerate(prompts)])
+    got = {r.request.tag: r.generation for r in res}
+    assert [got[i].tokens for i in range(3)] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    assert all(got[i].stats.rounds > 3 for i in range(3))  # many outer rounds, fresh lists
+    seqs = inner.drafter.suffix.sequences()
+    assert len(seqs) == 3
+    for p, g in zip(prompts, (got[i] for i in range(3)), strict=True):
+        start = max(0, len(p) - window) if window else 0
+        text = (p + g.tokens)[start:]
+        shared = [next((j for j, (a, b) in enumerate(zip(s, text, strict=False)) if a != b),
+                       min(len(s), len(text))) for s in seqs]
+        assert max(shared) >= len(text) - 5 and sorted(shared)[-2] < len(text) - 5

@@ -156,6 +156,32 @@ def test_suffix_index_drops_the_oldest_sequences_beyond_its_size():
     assert index.match([5, 6], depth=2) is None  # only the dropped first had (6) ...
 
 
+def _entries(index: SuffixIndex) -> list[tuple[tuple[int, ...], int, int]]:
+    return sorted((key, s, e) for key, hits in index._index.items() for s, e in hits)
+
+
+def test_a_replaced_sequence_keeps_its_common_prefix_and_reindexes_the_rest():
+    """``replace``: the new list's text past the common prefix replaces the old one's, in
+    the index exactly as if the new list had been added alone (no entry of the dropped
+    tail, none twice); an unknown old list just adds the new one."""
+    index = SuffixIndex(max_ngram=3, min_ngram=1)
+    old = [1, 2, 3, 9, 9]
+    index.match(old, depth=2)  # indexed: 5 tokens
+    old += [4]  # appended after indexing: never indexed, nothing to drop
+    new = [1, 2, 3, 7, 1, 2]
+    index.replace(old, new)
+    match = index.match(new, depth=2)
+    assert match is not None and match.length == 2
+    assert {t: c.count for t, c in match.root.children.items()} == {3: 1}
+    alone = SuffixIndex(max_ngram=3, min_ngram=1)
+    alone.match(list(new), depth=2)
+    assert _entries(index) == _entries(alone)
+    assert index.sequences() == [new]
+    fresh = [5, 6]
+    index.replace([8, 8], fresh)  # an old list it never saw
+    assert index.sequences() == [new, fresh]
+
+
 # ---------------------------------------------------------------- the drafter
 
 
