@@ -25,7 +25,7 @@ import torch
 from specflow.models import rows_kernel
 
 QUANTIZE_CHOICES = ("int8",)
-PREFIX_ALIGN = 8  # a prefix view of an int8 copy (``Int8Matrix.prefix``) has a multiple of 8 rows
+PREFIX_ALIGN = rows_kernel.BLOCK  # a prefix view (``Int8Matrix.prefix``): whole blocks of rows
 
 
 @dataclass(frozen=True)
@@ -60,14 +60,14 @@ class Int8Matrix:
 
     def prefix(self, rows: int) -> Int8Matrix:
         """Its first ``rows`` output rows, a view (no copy) in the same layout: ``rows`` a
-        multiple of ``PREFIX_ALIGN`` (a blocked copy holds 8 outputs per block), at most
+        multiple of ``PREFIX_ALIGN`` (a blocked copy holds 8 outputs a block), at most
         ``out``.  Row ``o`` of the product is the same bits as the whole matrix's row ``o``
         (each output is its own sum)."""
         out = self.scale.shape[0]
         if rows % PREFIX_ALIGN or not 0 < rows <= out:
             raise ValueError(f"an int8 prefix needs a multiple of {PREFIX_ALIGN} rows in "
                              f"1..{out}, got {rows}")
-        q = self.q[: rows // 8] if self.blocked else self.q[:rows]
+        q = self.q[: rows // rows_kernel.BLOCK] if self.blocked else self.q[:rows]
         return Int8Matrix(q, self.scale[:rows], self.dtype, self.blocked)
 
 
