@@ -129,14 +129,20 @@ class CpuCapabilities:
         return {**asdict(self), "native_bf16": self.native_bf16}
 
 
-def _cpu_model() -> str:
+def cpuinfo_field(key: str) -> str | None:
+    """The value of the first ``key`` line of ``/proc/cpuinfo`` (e.g. ``model name``,
+    ``flags``); ``None`` where there is no such line or file."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(key):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def _flag(name: str) -> bool:

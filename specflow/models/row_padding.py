@@ -320,7 +320,6 @@ def row_padding_info(lm: object) -> dict[str, object]:
             "int8_rows": sorted(lm.int8_rows), "int8_kernel": kernel}
 
 
-
 def run_row_padding(lms: Sequence[LayeredLM]) -> dict[str, dict[str, object]]:
     """``RunMeta.row_padding``: ``row_padding_info`` of every model a run runs (the target
     first, then its drafters' models), by model name; a model named twice is recorded once."""

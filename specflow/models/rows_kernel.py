@@ -63,13 +63,7 @@ class KernelStatus:
 
 def _cpu_flags() -> set[str]:
     """The ``flags`` of ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((cpu.cpuinfo_field("flags") or "").split())
 
 
 def _compiler() -> str | None:
