@@ -18,7 +18,9 @@ int8 copies, ``model.quantize=int8``, where the row probe finds them faster; ``*
 and the draft model seeing only the last ``--context-window`` prompt tokens; ``*_aten``: the
 int8 copies multiplied by ATen's kernel instead of the rows kernel, as where it cannot run;
 ``ours_pld_sps_int8_window_sub32k``: the draft model scoring only token ids below 32768 and
-the prompt's, ``drafter.vocab_subset=32768``).
+the prompt's, ``drafter.vocab_subset=32768``; ``ours_pld_sps_int8_window_adaptive``: with
+``draft_length=adaptive``; ``<method>_onednn``: any of ours with every
+model's passes on oneDNN's packed matrices where the float rows kernel would run them).
 Beside tokens/s end to end it reports time to first token (TTFT: prefill and the first
 round) and time per output token after it (TPOT), each method's TPOT against ours plain,
 and for ours the verify rows per round and a round's verify cost in plain steps.
@@ -56,10 +58,8 @@ from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 from specflow.models.native import NativeLM  # noqa: E402
 from specflow.models.row_padding import (  # noqa: E402
-    choose_dense_rows,
-    choose_int8_rows,
+    choose_row_kernels,
     row_probe,
-    use_dense_rows,
 )
 from specflow.recycling import RecyclingTable  # noqa: E402
 from specflow.runner import build_prompt  # noqa: E402
@@ -338,6 +338,11 @@ def main() -> None:
                 verifier, StandardAcceptor(), drafter=FallbackDrafter(
                     fallback_pld(), ModelDrafter(drafter8.lm, k=args.k,
                                                  context_window=args.context_window)))
+            ours["ours_pld_sps_int8_window_adaptive"] = SpeculativePipeline(
+                verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                    fallback_pld(), ModelDrafter(drafter8.lm, k=args.k,
+                                                 context_window=args.context_window)),
+                draft_length=AdaptiveDraftLength())
             ours["ours_pld_sps_int8_window_sub32k"] = SpeculativePipeline(  # + vocab_subset
                 verifier, StandardAcceptor(), drafter=FallbackDrafter(
                     fallback_pld(), ModelDrafter(drafter8.lm, k=args.k, vocab_subset=32768,
@@ -424,29 +429,38 @@ def main() -> None:
                  for lm in padded_models}
     for lm in padded_models:
         probe = row_probe(lm)
-        if args.rows == "probe":  # and dense matmuls where they beat packed ones, as run.py
-            use_dense_rows(lm, choose_dense_rows(probe, base_rows[id(lm)]))
-        if lm.int8_layers:  # and its int8 copies where they win (model.quantize=int8)
-            lm.set_int8_rows(choose_int8_rows(probe, base_rows[id(lm)], lm.dense_rows)
-                             if args.rows == "probe" else frozenset({1}))
+        if args.rows == "probe":  # dense, float rows kernel, int8 where they win, as run.py
+            choose_row_kernels(lm, probe, base_rows[id(lm)])
+        elif lm.int8_layers:  # its int8 copies at one row (model.quantize=int8)
+            lm.set_int8_rows(frozenset({1}))
         print(f"{lm.info.name}: row probe ms by rows "
               f"{ {r: round(t * 1e3, 2) for r, t in {**probe.seconds, **probe.priced}.items()} }"
               f", dense { {r: round(t * 1e3, 2) for r, t in probe.dense.items()} }"
               f", int8 { {r: round(t * 1e3, 2) for r, t in probe.int8.items()} }"
+              f", float rows kernel "
+              f"{ {r: round(t * 1e3, 2) for r, t in probe.float_rows.items()} }"
               f", ours run with min_rows={base_rows[id(lm)]}, dense at "
               f"{sorted(lm.dense_rows) or 'no row count'}, int8 at "
-              f"{sorted(lm.int8_rows) or 'no row count'}")
+              f"{sorted(lm.int8_rows) or 'no row count'}, float rows kernel at "
+              f"{sorted(lm.float_rows) or 'no row count'}")
+    chosen_float_rows = {id(lm): lm.float_rows for lm in padded_models}
 
-    def run_ours(pipe: SpeculativePipeline, min_rows: int | None = None
+    def run_ours(pipe: SpeculativePipeline, min_rows: int | None = None,
+                 float_rows: bool = True
                  ) -> Callable[[list[int]], tuple[list[int], float, float]]:
+        """``pipe`` timed on one prompt; ``min_rows``: every model padded to it;
+        ``float_rows=False``: oneDNN where the float rows kernel would run (``*_onednn``)."""
         def go(prompt: list[int]) -> tuple[list[int], float, float]:
             for lm in padded_models:
                 lm.min_rows = base_rows[id(lm)] if min_rows is None else min_rows
+                if not float_rows:
+                    lm.set_float_rows(frozenset())
             try:
                 gen = generate(pipe, prompt, args.max_new_tokens, stop_token_ids=eos)
             finally:
                 for lm in padded_models:
                     lm.min_rows = base_rows[id(lm)]
+                    lm.set_float_rows(chosen_float_rows[id(lm)])
             last_stats[0] = gen
             return gen.tokens, gen.total_s, gen.ttft_s if gen.ttft_s is not None else gen.total_s
 
@@ -478,6 +492,7 @@ def main() -> None:
     methods: dict[str, Callable] = {name: run_ours(p) for name, p in ours.items()}
     if padded_rows is not None:
         methods.update({f"{name}_rows": run_ours(p, padded_rows) for name, p in ours.items()})
+    methods.update({f"{name}_onednn": run_ours(p, float_rows=False) for name, p in ours.items()})
     methods["hf_ar"] = run_hf()
     methods["hf_pld"] = run_hf(prompt_lookup_num_tokens=10)
     if hf_drafter is not None:

@@ -15,6 +15,8 @@ from specflow.models.row_padding import (
     RowProbe,
     apply_min_rows,
     choose_dense_rows,
+    choose_float_rows,
+    choose_int8_rows,
     choose_min_rows,
     probe_min_rows,
     row_padding_info,
@@ -56,9 +58,11 @@ def test_padded_linear_keeps_every_real_row():
 def test_probe_times_every_row_count_of_a_packed_model_and_none_of_an_unpacked_one():
     hf = tiny_hf_model("llama", num_layers=2)
     packed = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-probe"))
-    probe = probe_min_rows(packed, candidates=(1, 2, 4), layers=2, repeats=2)
+    probe = probe_min_rows(packed, candidates=(1, 2, 4), layers=2, repeats=2, priced=(8, 16))
     assert sorted(probe.seconds) == [1, 2, 4] and all(s > 0 for s in probe.seconds.values())
     assert probe.chosen == choose_min_rows(probe.seconds)
+    # the float rows kernel where it runs: the counts one call takes (16 > 12 is not)
+    assert sorted(probe.float_rows) == ([1, 2, 4, 8] if packed.float_rows_layers else [])
     unpacked = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-probe"), packed=False)
     assert probe_min_rows(unpacked) == RowProbe({}, 1)
 
@@ -80,7 +84,8 @@ def test_apply_min_rows_sets_probes_once_and_refuses_bad_values(monkeypatch):
     assert lm.min_rows == 3 and calls == [lm]  # probed once, then remembered
     assert row_padding_info(lm) == {"min_rows": 3, "probe_ms": {"1": 1000.0, "3": 500.0},
                                     "dense_ms": None, "dense_rows": [], "int8_ms": None,
-                                    "int8_rows": [], "int8_kernel": None}
+                                    "int8_rows": [], "int8_kernel": None,
+                                    "float_ms": None, "float_rows": []}
     assert row_padding_info(hf) == {"min_rows": 1}
     for bad in (0, -2, "four"):
         with pytest.raises(ConfigError, match="min_rows"):
@@ -211,3 +216,37 @@ def test_row_prices_follow_the_kernel_each_count_runs():
     assert prices is not None
     assert [prices(n) for n in (1, 2, 3)] == pytest.approx([1.0, 1.25, 1.5])
     lm.dense_rows = frozenset()
+
+
+def test_the_float_kernel_is_chosen_where_it_beats_what_runs_there_and_int8_against_it():
+    """Float rows against packed-as-padded (or dense): chosen at 1 (0.6 < 0.95 * 1.0) and 2,
+    not at 4 (0.97 against 1.0: within the margin) nor at 6 (slower); then int8 is chosen
+    only where it beats the float kernel there (1: 0.5 < 0.57; 2: 0.6 > 0.95 * 0.62)."""
+    probe = RowProbe({1: 1.0, 2: 1.0, 4: 1.0, 6: 1.1}, 1, float_rows={1: 0.6, 2: 0.62, 4: 0.97,
+                                                                       6: 1.3},
+                     int8={1: 0.5, 2: 0.6, 4: 0.8})
+    floats = choose_float_rows(probe, min_rows=1, dense_rows=frozenset())
+    assert floats == frozenset({1, 2})
+    assert choose_int8_rows(probe, 1, frozenset(), float_rows=floats) == frozenset({1, 4})
+    assert choose_int8_rows(probe, 1, frozenset()) == frozenset({1, 2, 4})  # against packed
+    padded = RowProbe({1: 1.0, 2: 1.0, 4: 0.55}, 4, float_rows={1: 0.6, 2: 0.5})
+    assert choose_float_rows(padded, min_rows=4, dense_rows=frozenset()) == frozenset({2})
+
+
+@needs_onednn
+def test_apply_min_rows_runs_the_float_kernel_where_the_probe_chose_it(monkeypatch):
+    """A packed fp32 model with its own matrices for the float kernel: the probe's choice is
+    applied, recorded in the summary, and its verify prices are the float kernel's there."""
+    hf = tiny_hf_model("llama", num_layers=2, seed=3)
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-float-apply"))
+    if not lm.float_rows_layers:
+        pytest.skip("the float rows kernel does not run here")
+    probe = RowProbe({1: 1.0, 2: 1.0, 4: 1.2}, 1, priced={8: 1.5},
+                     float_rows={1: 0.5, 2: 0.9, 4: 1.4, 8: 2.0})
+    monkeypatch.setattr("specflow.models.row_padding.probe_min_rows", lambda model: probe)
+    apply_min_rows(lm, None)
+    assert lm.float_rows == frozenset({1, 2}) and lm.min_rows == 1
+    info = row_padding_info(lm)
+    assert info["float_rows"] == [1, 2] and info["float_ms"]["1"] == 500.0
+    prices = row_prices(lm)
+    assert prices.seconds == {1: 0.5, 2: 0.9, 4: 1.2, 8: 1.5} and prices(4) == 1.2 / 0.5

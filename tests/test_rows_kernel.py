@@ -1,7 +1,9 @@
-"""The int8 rows kernel (``specflow.models.rows_kernel``): its blocked layout, exact sums,
+"""The rows kernels (``specflow.models.rows_kernel``).  Int8: its blocked layout, exact sums,
 rows that do not depend on each other, why it is refused, and both branches of the int8
 copies (the kernel's blocked layout where it runs, ATen's elsewhere) drafting HF's greedy
-tokens."""
+tokens.  Float: exact sums into each part's columns, rows independent of each other and of
+the threads, the model's own matrices shared (no copy), none where the kernel does not run,
+and decoding on it equal to HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -13,10 +15,17 @@ import torch
 from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.models import rows_kernel
+from specflow.models.float_rows import StackedRows
 from specflow.models.int8_weights import int8_linear, quantize_int8
-from specflow.models.native import NativeLM
+from specflow.models.native import NativeLM, packing_available
 from specflow.models.row_padding import run_row_padding
-from specflow.models.rows_kernel import KernelStatus, block_int8, kernel_status, rows_linear_i8
+from specflow.models.rows_kernel import (
+    KernelStatus,
+    block_int8,
+    kernel_status,
+    rows_linear_f32,
+    rows_linear_i8,
+)
 from stages.fallback_drafter import FallbackDrafter
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter
@@ -24,6 +33,9 @@ from stages.pld_drafter import PLDDrafter
 from tests.conftest import hf_greedy, make_pair
 from tests.test_one_engine import MAX_NEW, PROMPTS, decode
 
+needs_onednn = pytest.mark.skipif(
+    not packing_available(torch.device("cpu"), torch.float32),
+    reason="oneDNN does not pack fp32 weights here")
 needs_kernel = pytest.mark.skipif(
     not kernel_status().available,
     reason=f"the rows kernel does not run here: {kernel_status().why}")
@@ -180,3 +192,106 @@ def test_int8_copies_take_atens_layout_when_asked(target):
     draft.make_int8_copies(blocked=False)
     assert not draft.int8_head.blocked and draft.int8_head.q.shape == draft.lm_head.shape
     assert not any(w.wqkv.blocked for w in draft.int8_layers)
+
+
+# ----------------------------------------------------------------------- the float kernel
+
+
+@needs_kernel
+def test_the_float_kernel_sums_small_integers_exactly_into_each_parts_columns():
+    """Integers keep every partial sum exact: y = x W^T + b to the bit for 1..12 rows in one
+    call and 13 and 25 in several; W as three parts (31 + 5 + 8 outputs: ragged tiles and
+    threads) of K = 19 (two 8-lane steps and a tail of 3)."""
+    g = torch.Generator().manual_seed(0)
+    parts = tuple(torch.randint(-50, 51, (n, 19), generator=g).float() for n in (31, 5, 8))
+    x = torch.randint(-9, 10, (25, 19), generator=g).float()  # [T, K]
+    bias = torch.arange(44, dtype=torch.float32)
+    w = torch.cat(parts)  # [44, 19]
+    expect = (x.double() @ w.double().T + bias.double()).float()  # exact
+    for rows in (*range(1, 14), 25):
+        assert torch.equal(rows_linear_f32(x[:rows], parts, bias), expect[:rows])
+    assert torch.equal(rows_linear_f32(x[:2], parts, None), expect[:2] - bias)
+    assert torch.equal(rows_linear_f32(x[:3].double(), parts[:1], None),
+                       (expect[:3] - bias)[:, :31])  # any float input dtype
+
+
+@needs_kernel
+def test_a_float_kernel_rows_result_does_not_depend_on_the_other_rows_or_the_threads():
+    """Random floats: each row's output is bit-identical alone, among 6 or 12 rows, and with
+    1 or 2 threads; within float rounding of the float64 product; the parts checked."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 700, generator=g)
+    x = torch.randn(12, 700, generator=g)
+    together = rows_linear_f32(x, (w,), None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = rows_linear_f32(x[:6], (w,), None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, together[:6])
+    for r in (0, 5, 11):
+        assert torch.equal(rows_linear_f32(x[r : r + 1], (w,), None), together[r : r + 1])
+    torch.testing.assert_close(together, (x.double() @ w.double().T).float(),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        rows_linear_f32(x, (w.t(),), None)
+    with pytest.raises(ValueError, match="StackedRows parts"):
+        StackedRows((w.double(),))
+
+
+@needs_kernel
+@needs_onednn
+def test_a_packed_fp32_model_keeps_its_own_matrices_for_the_float_kernel(target):
+    """No copy: the float layers' parts are the HF model's own tensors; a model not packed
+    has none, and asking for them is refused."""
+    hf, lm = target
+    packed = NativeLM.from_hf(hf, lm.info)
+    assert packed.packed and len(packed.float_rows_layers) == 4
+    att = hf.model.layers[0].self_attn
+    parts = packed.float_rows_layers[0].wqkv.parts
+    assert [p.data_ptr() for p in parts] == [att.q_proj.weight.data_ptr(),
+                                             att.k_proj.weight.data_ptr(),
+                                             att.v_proj.weight.data_ptr()]
+    assert packed.float_rows_head.parts[0].data_ptr() == packed.lm_head.data_ptr()
+    other_hf, other = make_pair("llama", seed=1, num_layers=2)  # its weights re-laid below
+    unpacked = NativeLM.from_hf(other_hf, other.info, packed=False)
+    assert unpacked.float_rows_layers == [] and unpacked.float_rows_head is None
+    with pytest.raises(ValueError, match="float rows \\[1\\] without"):
+        unpacked.set_float_rows(frozenset({1}))
+
+
+@needs_onednn
+def test_no_float_layers_where_the_kernel_does_not_run(target, monkeypatch):
+    hf, lm = target
+    monkeypatch.setattr(rows_kernel, "kernel_status", lambda: KernelStatus(None, "off"))
+    assert NativeLM.from_hf(hf, lm.info).float_rows_layers == []
+
+
+@needs_kernel
+@needs_onednn
+@pytest.mark.parametrize("float_rows", [frozenset(range(1, 13)), frozenset({1, 3, 5})])
+def test_decoding_on_the_float_kernel_equals_hf_greedy(float_rows, target):
+    """Plain steps and prompt-lookup verifications, batch 1 contiguous and batch 3 paged, on
+    the float rows kernel at every count it takes (the rest packed), or at a few: HF's greedy
+    tokens, the kernel run at those counts only (the run's summary records them)."""
+    hf, lm = target
+    own = NativeLM.from_hf(hf, replace(lm.info, name="tiny-float-rows"))
+    own.set_float_rows(float_rows)
+    calls = []
+    real = rows_kernel.rows_linear_f32
+
+    def counted(x, parts, bias):
+        calls.append(x.shape[0])
+        return real(x, parts, bias)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rows_kernel, "rows_linear_f32", counted)
+        for drafter in (None, PLDDrafter(k=3, min_ngram=2)):
+            pipe = SpeculativePipeline(FullVerifier(own), StandardAcceptor(), drafter=drafter)
+            for batch, kv in ((1, "contiguous"), (3, "paged")):
+                gens, _ = decode(pipe, batch, kv, PROMPTS, MAX_NEW)
+                assert [g.tokens for g in gens] == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    assert calls and set(calls) <= float_rows
+    assert {1, 3} <= set(calls)  # decoding steps of one sequence and of three
+    assert run_row_padding([own])["tiny-float-rows"]["float_rows"] == sorted(float_rows)

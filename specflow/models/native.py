@@ -40,6 +40,7 @@ from specflow import cpu
 from specflow.errors import ConfigError
 from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, ModelInfo
 from specflow.models import rows_kernel
+from specflow.models.float_rows import StackedRows, stackable, stacked_linear
 from specflow.models.int8_weights import Int8Matrix, int8_linear, quantize_int8
 
 log = logging.getLogger("specflow")
@@ -126,7 +127,8 @@ def supports(hf_config) -> tuple[bool, str]:
     return True, ""
 
 
-Matrix = torch.Tensor | Int8Matrix  # a dense or packed tensor, or an int8 copy
+# a dense or packed tensor, an int8 copy, or a float32 model's own parts (float rows kernel)
+Matrix = torch.Tensor | Int8Matrix | StackedRows
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the _Layer fields that are matrices
 
 
@@ -163,10 +165,11 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Matrix, bias: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None,
            min_rows: int = 1) -> torch.Tensor:
     """``x [N, in] @ weight.T + bias`` -> ``[N, out]``, with oneDNN when ``weight`` is packed,
-    with the int8 kernel when it is an ``Int8Matrix`` (``specflow.models.int8_weights``).
+    with the int8 kernel when it is an ``Int8Matrix`` (``specflow.models.int8_weights``), with
+    the float rows kernel when it is a ``StackedRows`` (``specflow.models.float_rows``).
 
     ``min_rows``: a packed multiply of fewer rows runs on ``min_rows`` rows (zero rows
     appended, their outputs dropped).  Each output row depends only on its own input row, so
@@ -176,6 +179,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Matrix, bias: torch.Tenso
     """
     if isinstance(weight, Int8Matrix):
         return int8_linear(x, weight, bias)
+    if isinstance(weight, StackedRows):
+        return stacked_linear(x, weight, bias)
     if weight.is_mkldnn:
         n = x.shape[0]
         if n < min_rows:
@@ -271,6 +276,13 @@ class NativeLM:
         self.int8_layers: list[_Layer] = []
         self.int8_head: Int8Matrix | None = None
         self.int8_rows: frozenset[int] = frozenset()
+        # A packed fp32 model's own (HF) row-major matrices as the float rows kernel takes
+        # them (``float_rows_layers``, ``float_rows_head``: shared, no copy; empty where the
+        # kernel or the model cannot) and the row counts whose passes multiply them
+        # (``set_float_rows``; ``row_padding.use_float_rows``).
+        self.float_rows_layers: list[_Layer] = []
+        self.float_rows_head: StackedRows | None = None
+        self.float_rows: frozenset[int] = frozenset()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -361,7 +373,7 @@ class NativeLM:
                 embed = _adopt(base.embed_tokens)  # [V, H]
                 lm_head = embed_w.detach() if tied else _adopt(hf_model.lm_head)
                 head_weight = None
-        return cls(
+        lm = cls(
             info,
             embed_weight=embed,
             layers=layers,
@@ -376,6 +388,44 @@ class NativeLM:
             head_weight=head_weight,
             rope_scaling=rope if (rope := _rope_params(cfg))["rope_type"] == "llama3" else None,
         )
+        if packed:
+            lm._adopt_float_rows(hf_model)
+        return lm
+
+    def _adopt_float_rows(self, hf_model: nn.Module) -> None:
+        """Keep the HF model's own row-major fp32 matrices for the float rows kernel
+        (``float_rows_layers``, ``float_rows_head``; views, no copy) where the kernel runs on
+        this CPU and every matrix is a contiguous float32 CPU tensor; else leave them empty."""
+        if self.dtype != torch.float32 or not rows_kernel.kernel_status().available:
+            return
+        base = hf_model.model
+
+        def stacked(*modules: nn.Module) -> StackedRows | None:
+            parts = tuple(m.weight.detach() for m in modules)
+            return StackedRows(parts) if stackable(*parts) else None
+
+        layers = []
+        for blk, own in zip(base.layers, self.layers, strict=True):
+            att, mlp = blk.self_attn, blk.mlp
+            matrices = {"wqkv": stacked(att.q_proj, att.k_proj, att.v_proj),
+                        "wo": stacked(att.o_proj),
+                        "w_gate_up": stacked(mlp.gate_proj, mlp.up_proj),
+                        "w_down": stacked(mlp.down_proj)}
+            if any(m is None for m in matrices.values()):
+                return
+            layers.append(replace(own, **matrices))
+        if not stackable(self.lm_head):
+            return
+        self.float_rows_layers = layers
+        self.float_rows_head = StackedRows((self.lm_head,))
+
+    def set_float_rows(self, rows: frozenset[int]) -> None:
+        """Run passes of ``rows`` rows on the float rows kernel (``float_rows_layers``);
+        ``int8_rows`` take precedence, these over ``dense_rows``."""
+        if rows and not self.float_rows_layers:
+            raise ValueError(f"{self.info.name}: float rows {sorted(rows)} without the model's "
+                             f"own fp32 matrices (a packed fp32 model where the kernel runs)")
+        self.float_rows = frozenset(rows)
 
     # ------------------------------------------------------------------ LayeredLM
     @property
@@ -479,6 +529,8 @@ class NativeLM:
         weights = self.layers[layer]
         if hidden.shape[0] in self.int8_rows:  # a row count the int8 copies run faster
             weights = self.int8_layers[layer]
+        elif hidden.shape[0] in self.float_rows:  # the float rows kernel runs faster
+            weights = self.float_rows_layers[layer]
         elif hidden.shape[0] in self.dense_rows:  # a row count dense runs faster here
             weights = self.dense_layers[layer]
         return self.forward_layer(weights, hidden, batch, memo)
@@ -564,6 +616,8 @@ class NativeLM:
         x = self.head_input(hidden, exit_layer)  # [T, H]
         if x.shape[0] in self.int8_rows and self.int8_head is not None:
             return int8_linear(x, self.int8_head, None).float()  # [T, V]
+        if x.shape[0] in self.float_rows and self.float_rows_head is not None:
+            return stacked_linear(x, self.float_rows_head, None)  # [T, V]
         if x.shape[0] in self.dense_rows:
             return F.linear(x, self.lm_head).float()  # [T, V], the dense LM head
         return linear(x, self.head_weight, None, self.min_rows).float()  # [T, V]

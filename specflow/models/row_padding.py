@@ -26,6 +26,14 @@ where they beat the model's own matrices (packed as padded, or dense where dense
 than ``MARGIN`` multiply the int8 copies (``use_int8_rows``, logged) -- a small model's
 drafting steps, measured 1.8x faster at one row on an AVX2-capped AMD EPYC, not its prefill.
 
+A packed fp32 model whose CPU runs the float rows kernel (``specflow.models.float_rows``:
+its own row-major HF matrices, no copy) has that kernel timed too, at the counts one call
+takes (1 to ``rows_kernel.MAX_ROWS_F32``): its passes of the counts where it beats the packed
+(or dense) ones by more than ``MARGIN`` run on it (``use_float_rows``, logged).  Measured on
+an AMD EPYC capped at AVX2: decoding steps and verification passes of up to about 6 rows.
+Which kernel runs a count, first match: int8 copies, the float rows kernel, dense copies,
+the packed matrices (padded to ``min_rows``).
+
 Padding appends zero rows to the input of each packed multiply and drops their outputs
 (``specflow.models.native.linear``).  Every output row depends only on its own input row;
 a kernel chosen for another row count may round differently in the last bits, as a
@@ -45,12 +53,16 @@ import torch
 from specflow.errors import ConfigError
 from specflow.kv.base import LayeredLM
 from specflow.models.native import MATRICES, NativeLM, dense, linear
+from specflow.models.rows_kernel import MAX_ROWS_F32
 
 log = logging.getLogger(__name__)
 
 MARGIN = 0.05  # a padded row count must be this much faster than 1 row to be chosen
 CANDIDATES = (1, 2, 3, 4, 5, 6)
-PRICED = (8, 12, 16)  # timed for RowPrices only: verify passes of longer drafts and batches
+# timed for RowPrices and the kernels' choice only (never padding): verify passes of longer
+# drafts and trees, and batches; every count a float rows kernel call takes, as a count
+# never timed never runs on it
+PRICED = (7, 8, 9, 10, 11, 12, 16)
 
 
 @dataclass(frozen=True)
@@ -58,15 +70,17 @@ class RowProbe:
     """What ``probe_min_rows`` measured: median seconds of the probed matmuls per candidate
     row count, the row count chosen (``choose_min_rows``), the seconds of the larger row
     counts timed for pricing only (``priced``), and the same matrices' seconds unpacked at
-    every count (``dense``; empty where not timed) and as int8 copies (``int8``; empty where
-    the model has none).  An unpacked model with int8 copies has its dense seconds in
-    ``seconds`` (``chosen`` 1: only packed matmuls are padded)."""
+    every count (``dense``; empty where not timed), as int8 copies (``int8``; empty where
+    the model has none) and by the float rows kernel (``float_rows``; counts up to one
+    kernel call, empty where it does not run).  An unpacked model with int8 copies has its
+    dense seconds in ``seconds`` (``chosen`` 1: only packed matmuls are padded)."""
 
     seconds: dict[int, float]
     chosen: int
     priced: dict[int, float] = field(default_factory=dict)
     dense: dict[int, float] = field(default_factory=dict)
     int8: dict[int, float] = field(default_factory=dict)
+    float_rows: dict[int, float] = field(default_factory=dict)
 
     def packed_at(self, rows: int, min_rows: int) -> float | None:
         """Seconds of a packed pass of ``rows`` rows padded to ``min_rows`` (``None``: the
@@ -85,14 +99,39 @@ def choose_dense_rows(probe: RowProbe, min_rows: int, margin: float = MARGIN) ->
     return frozenset(out)
 
 
+def _own_seconds(probe: RowProbe, rows: int, min_rows: int, dense_rows: frozenset[int],
+                 float_rows: frozenset[int] = frozenset()) -> float | None:
+    """Seconds of what the model's own weights run at ``rows``: the float rows kernel at
+    ``float_rows``, dense at ``dense_rows``, else packed padded to ``min_rows``."""
+    if rows in float_rows:
+        return probe.float_rows.get(rows)
+    if rows in dense_rows:
+        return probe.dense.get(rows)
+    return probe.packed_at(rows, min_rows)
+
+
+def choose_float_rows(probe: RowProbe, min_rows: int, dense_rows: frozenset[int],
+                      margin: float = MARGIN) -> frozenset[int]:
+    """The row counts whose pass by the float rows kernel beats what the model runs there
+    otherwise (dense at ``dense_rows``, else packed padded to ``min_rows``) by more than
+    ``margin``."""
+    out = set()
+    for rows, float_s in probe.float_rows.items():
+        own_s = _own_seconds(probe, rows, min_rows, dense_rows)
+        if own_s is not None and float_s < (1.0 - margin) * own_s:
+            out.add(rows)
+    return frozenset(out)
+
+
 def choose_int8_rows(probe: RowProbe, min_rows: int, dense_rows: frozenset[int],
-                     margin: float = MARGIN) -> frozenset[int]:
-    """The row counts whose int8 pass beats what the model runs there otherwise (its dense
-    matrices at ``dense_rows``, else its own padded to ``min_rows``) by more than ``margin``."""
+                     margin: float = MARGIN,
+                     float_rows: frozenset[int] = frozenset()) -> frozenset[int]:
+    """The row counts whose int8 pass beats what the model runs there otherwise (the float
+    rows kernel at ``float_rows``, its dense matrices at ``dense_rows``, else its own padded
+    to ``min_rows``) by more than ``margin``."""
     out = set()
     for rows, int8_s in probe.int8.items():
-        own_s = (probe.dense.get(rows) if rows in dense_rows
-                 else probe.packed_at(rows, min_rows))
+        own_s = _own_seconds(probe, rows, min_rows, dense_rows, float_rows)
         if own_s is not None and int8_s < (1.0 - margin) * own_s:
             out.add(rows)
     return frozenset(out)
@@ -196,12 +235,15 @@ def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers:
                    repeats: int = 5, priced: Sequence[int] = PRICED) -> RowProbe:
     """Time ``lm``'s own packed matmuls (the four matrices of its first ``layers`` layers:
     ``time_rows``) for each candidate row count and choose (``choose_min_rows``), and for
-    each ``priced`` row count (``RowPrices``, never chosen), and the int8 copies' where the
-    model has them; an unpacked model is never padded (``chosen`` 1; nothing timed unless
-    it has int8 copies, whose rivals are then its dense matrices)."""
+    each ``priced`` row count (``RowPrices``, never chosen), the int8 copies' where the
+    model has them and the float rows kernel's on the model's own matrices where it has
+    them (``NativeLM.float_rows_layers``: counts up to ``MAX_ROWS_F32``); an unpacked model
+    is never padded (``chosen`` 1; nothing timed unless it has int8 copies, whose rivals are
+    then its dense matrices)."""
     n = max(1, layers)
     used = [[getattr(w, m) for m in MATRICES] for w in lm.layers[:n]]
     int8 = [[getattr(w, m) for m in MATRICES] for w in lm.int8_layers[:n]]
+    stacked = [[getattr(w, m) for m in MATRICES] for w in lm.float_rows_layers[:n]]
     if not lm.packed and not int8:
         return RowProbe({}, 1)
     counts = [*candidates, *(r for r in priced if r not in candidates)]
@@ -211,9 +253,11 @@ def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers:
     # look faster than they run), fewer repeats: enough to see a kernel that wins clearly
     dense_timed = (time_rows([[dense(w) for w in layer] for layer in used], counts,
                              max(1, repeats // 2)) if lm.packed else {})
+    float_counts = [r for r in counts if r <= MAX_ROWS_F32]
     return RowProbe(seconds, choose_min_rows(seconds) if lm.packed else 1,
                     {r: t for r, t in timed.items() if r not in candidates}, dense_timed,
-                    time_rows(int8, counts, repeats) if int8 else {})
+                    time_rows(int8, counts, repeats) if int8 else {},
+                    time_rows(stacked, float_counts, repeats) if stacked else {})
 
 
 def use_dense_rows(lm: NativeLM, rows: frozenset[int]) -> None:
@@ -223,6 +267,26 @@ def use_dense_rows(lm: NativeLM, rows: frozenset[int]) -> None:
     if rows:
         log.info("%s: dense matmuls at %s rows (faster than packed there by the row probe)",
                  lm.info.name, sorted(rows))
+
+
+def use_float_rows(lm: NativeLM, rows: frozenset[int]) -> None:
+    """Multiply ``rows``-row passes of ``lm`` with the float rows kernel; logged."""
+    lm.set_float_rows(rows)
+    if rows:
+        log.info("%s: float rows kernel at %s rows (faster than oneDNN there by the row probe)",
+                 lm.info.name, sorted(rows))
+
+
+def choose_row_kernels(lm: NativeLM, probe: RowProbe, min_rows: int) -> None:
+    """Give ``lm`` the kernels the probe found fastest per row count at row padding
+    ``min_rows``: dense copies, then the float rows kernel, then int8 copies (each against
+    what runs there after the ones before it); logged."""
+    use_dense_rows(lm, choose_dense_rows(probe, min_rows))
+    if lm.float_rows_layers:
+        use_float_rows(lm, choose_float_rows(probe, min_rows, lm.dense_rows))
+    if lm.int8_layers:
+        use_int8_rows(lm, choose_int8_rows(probe, min_rows, lm.dense_rows,
+                                           float_rows=lm.float_rows))
 
 
 def use_int8_rows(lm: NativeLM, rows: frozenset[int]) -> None:
@@ -256,9 +320,7 @@ def apply_min_rows(lm: object, setting: int | None) -> None:
         return
     probe = row_probe(lm)
     lm.min_rows = probe.chosen
-    use_dense_rows(lm, choose_dense_rows(probe, lm.min_rows))
-    if lm.int8_layers:
-        use_int8_rows(lm, choose_int8_rows(probe, lm.min_rows, lm.dense_rows))
+    choose_row_kernels(lm, probe, lm.min_rows)
 
 
 def row_probe(lm: NativeLM) -> RowProbe:
@@ -267,12 +329,15 @@ def row_probe(lm: NativeLM) -> RowProbe:
     probe = lm.row_probe
     if not isinstance(probe, RowProbe):
         probe = lm.row_probe = probe_min_rows(lm)
-        log.info("%s: packed matmul ms by rows %s (fastest beyond the margin: %d); dense %s%s",
+        log.info("%s: packed matmul ms by rows %s (fastest beyond the margin: %d); dense %s%s%s",
                  lm.info.name, {r: round(s * 1e3, 2)
                                  for r, s in {**probe.seconds, **probe.priced}.items()},
                  probe.chosen, {r: round(s * 1e3, 2) for r, s in probe.dense.items()},
                  f"; int8 {({r: round(s * 1e3, 2) for r, s in probe.int8.items()})}"
-                 if probe.int8 else "")
+                 if probe.int8 else "",
+                 f"; float rows kernel "
+                 f"{({r: round(s * 1e3, 2) for r, s in probe.float_rows.items()})}"
+                 if probe.float_rows else "")
     return probe
 
 
@@ -289,11 +354,13 @@ def row_prices(lm: object) -> RowPrices | None:
     timed = {**probe.seconds, **probe.priced}
     if len(timed) < 2 or 1 not in timed:
         return None
-    if not lm.dense_rows and not lm.int8_rows:
+    if not lm.dense_rows and not lm.int8_rows and not lm.float_rows:
         return RowPrices(timed, lm.min_rows)
-    # Some counts run dense or int8: a count's seconds are what the model runs there (int8,
-    # dense, or packed padded to min_rows), so the prices need no padding of their own.
+    # Some counts run dense, int8 or the float rows kernel: a count's seconds are what the
+    # model runs there (int8, float rows, dense, or packed padded to min_rows), so the
+    # prices need no padding of their own.
     effective = {r: probe.int8[r] if r in lm.int8_rows and r in probe.int8
+                 else probe.float_rows[r] if r in lm.float_rows and r in probe.float_rows
                  else probe.dense[r] if r in lm.dense_rows and r in probe.dense
                  else timed.get(max(r, lm.min_rows), t) for r, t in timed.items()}
     return RowPrices(effective, 1)
@@ -303,7 +370,8 @@ def row_padding_info(lm: object) -> dict[str, object]:
     """What a run's summary records of a model's row padding (``RunMeta.row_padding``):
     ``min_rows`` and, when it was probed, the probe's milliseconds by row count; with int8
     copies (``model.quantize=int8``) the kernel that multiplies them, ``int8_kernel``:
-    ``rows`` (``specflow.models.rows_kernel``) or ``aten`` (``None`` without copies)."""
+    ``rows`` (``specflow.models.rows_kernel``) or ``aten`` (``None`` without copies); the
+    float rows kernel's milliseconds and row counts (``float_ms``, ``float_rows``)."""
     if not isinstance(lm, NativeLM):
         return {"min_rows": 1}
     probe = lm.row_probe
@@ -314,10 +382,13 @@ def row_padding_info(lm: object) -> dict[str, object]:
                 if isinstance(probe, RowProbe) and probe.dense else None)
     int8_ms = ({str(r): round(t * 1e3, 3) for r, t in sorted(probe.int8.items())}
                if isinstance(probe, RowProbe) and probe.int8 else None)
+    float_ms = ({str(r): round(t * 1e3, 3) for r, t in sorted(probe.float_rows.items())}
+                if isinstance(probe, RowProbe) and probe.float_rows else None)
     kernel = None if lm.int8_head is None else "rows" if lm.int8_head.blocked else "aten"
     return {"min_rows": lm.min_rows, "probe_ms": probed, "dense_ms": dense_ms,
             "dense_rows": sorted(lm.dense_rows), "int8_ms": int8_ms,
-            "int8_rows": sorted(lm.int8_rows), "int8_kernel": kernel}
+            "int8_rows": sorted(lm.int8_rows), "int8_kernel": kernel, "float_ms": float_ms,
+            "float_rows": sorted(lm.float_rows)}
 
 
 def run_row_padding(lms: Sequence[LayeredLM]) -> dict[str, dict[str, object]]:

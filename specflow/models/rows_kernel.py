@@ -1,4 +1,7 @@
-"""The int8 rows kernel: a draft model's int8 matrices times a few rows, at memory speed.
+"""The rows kernels: a few rows times a model's matrices, at memory speed.
+
+Two kernels in one library.  The *int8* one multiplies a draft model's int8 copies; the
+*float* one (``rows_linear_f32``) a float32 model's own row-major matrices, no copy made.
 
 ``kernels/rows_linear.cpp`` multiplies ``M <= 8`` float rows by an int8 matrix stored
 *blocked* (``Q [N, K] -> Qb [ceil(N/8), K, 8]``, zero-padded), streaming the weights once
@@ -11,6 +14,18 @@ Measured on a 2-core AMD EPYC (Zen 4) capped at AVX2 (``scripts/profile_step.py 
 qwen2.5-coder-0.5b --context 400 --int8``, a whole step): 31 ms at 1 row and 58 ms at 6 rows
 against 42 and 99 ms with ATen's ``_weight_int8pack_mm`` (bf16 activations); the kernel keeps
 the activations in float32 as well.
+
+The float kernel multiplies ``M <= 12`` float32 rows by a row-major ``W [N, K]`` (the HF
+model's own tensors; a fused matrix such as q/k/v is passed as its parts, each written into
+its own columns of ``y``), 8 lanes a step along ``k`` and a fixed horizontal sum:
+
+    y[m, n] = hsum8(sum over k steps of x[m, k:k+8] * W[n, k:k+8]) (+ tail) (+ b_n)
+
+A row's result is again the same whatever the other rows or the threads.  Measured on the
+same CPU capped at AVX2, four layers of the Qwen2.5-1.5B's shapes (750 MB of fp32 weights,
+ms; ``docs/performance.md``): 1 row 25.8 against oneDNN's packed 30.5, 4 rows 26.9 against
+37.8, 6 rows 30.5 against 38.8; from about 8 rows oneDNN is as fast or faster, and the row
+probe (``specflow.models.row_padding``) picks per row count.
 
 It is C++ built once per machine by the system compiler (``c++``/``g++``, flags ``FLAGS``)
 into ``<cache root>/kernels/`` (the file named by a hash of the source and flags) and loaded
@@ -45,7 +60,8 @@ log = logging.getLogger("specflow")
 SOURCE = Path(__file__).with_name("kernels") / "rows_linear.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 ENV_SWITCH = "SPECFLOW_ROWS_KERNEL"  # "0": never use the kernel
-MAX_ROWS = 8  # rows per kernel call; more are multiplied 8 at a time
+MAX_ROWS = 8  # rows per int8 kernel call; more are multiplied 8 at a time
+MAX_ROWS_F32 = 12  # rows per float kernel call; more are multiplied 12 at a time
 BLOCK = 8  # outputs per block of the blocked layout
 
 
@@ -92,6 +108,8 @@ def _load(path: Path) -> ctypes.CDLL:
     p, n = ctypes.c_void_p, ctypes.c_long
     lib.rows_linear_i8.argtypes = [ctypes.c_int, p, n, p, p, p, p, n, ctypes.c_int]
     lib.rows_linear_i8.restype = ctypes.c_int
+    lib.rows_linear_f32.argtypes = [ctypes.c_int, p, n, p, p, p, n, n, ctypes.c_int]
+    lib.rows_linear_f32.restype = ctypes.c_int
     return lib
 
 
@@ -113,7 +131,7 @@ def kernel_status() -> KernelStatus:
     path = cache_root() / "kernels" / f"rows_linear-{digest}.so"
     try:
         if not path.exists():
-            log.info("building the int8 rows kernel with %s into %s", compiler, path)
+            log.info("building the rows kernels with %s into %s", compiler, path)
             _build(compiler, path)
         return KernelStatus(_load(path))
     except subprocess.CalledProcessError as err:  # the compiler's own message
@@ -151,4 +169,35 @@ def rows_linear_i8(x: torch.Tensor, qb: torch.Tensor, scale: torch.Tensor,
                                  threads)
         if err:
             raise ValueError(f"rows_linear_i8: bad shape x {tuple(x.shape)}, N {out_features}")
+    return y
+
+
+def rows_linear_f32(x: torch.Tensor, parts: tuple[torch.Tensor, ...],
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [T, K]`` (any float dtype) -> ``x @ W.T + bias`` ``[T, N]`` float32, where ``W`` is
+    the parts ``[n_i, K]`` (contiguous float32, row-major) stacked along ``N = sum n_i`` and
+    ``bias [N]`` float32; 12 rows a kernel call, one call per part."""
+    lib = kernel_status().library
+    if lib is None:
+        raise RuntimeError(f"the float rows kernel is not available: {kernel_status().why}")
+    rows, k = x.shape
+    n_total = sum(w.shape[0] for w in parts)
+    if any(w.dtype != torch.float32 or not w.is_contiguous() or w.shape[1] != k for w in parts):
+        raise ValueError(f"rows_linear_f32 needs contiguous float32 [n, {k}] parts, got "
+                         f"{[(tuple(w.shape), w.dtype) for w in parts]}")
+    y = torch.empty(rows, n_total, dtype=torch.float32)  # [T, N]
+    threads = torch.get_num_threads()
+    f32 = 4  # bytes a float
+    for start in range(0, rows, MAX_ROWS_F32):
+        block = x[start : start + MAX_ROWS_F32].to(torch.float32).contiguous()  # [M, K]
+        out = y.data_ptr() + start * n_total * f32  # y[start, 0]
+        col = 0
+        for w in parts:
+            b = 0 if bias is None else bias.data_ptr() + col * f32
+            err = lib.rows_linear_f32(block.shape[0], block.data_ptr(), k, w.data_ptr(), b,
+                                      out + col * f32, n_total, w.shape[0], threads)
+            if err:
+                raise ValueError(f"rows_linear_f32: bad shape x {tuple(x.shape)}, "
+                                 f"part {tuple(w.shape)}")
+            col += w.shape[0]
     return y
