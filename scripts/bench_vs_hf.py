@@ -19,8 +19,9 @@ and the draft model seeing only the last ``--context-window`` prompt tokens; ``*
 int8 copies multiplied by ATen's kernel instead of the rows kernel, as where it cannot run;
 ``ours_pld_sps_int8_window_sub32k``: the draft model scoring only token ids below 32768 and
 the prompt's, ``drafter.vocab_subset=32768``; ``ours_pld_sps_int8_window_adaptive``: with
-``draft_length=adaptive``; ``<method>_onednn``: any of ours with every
-model's passes on oneDNN's packed matrices where the float rows kernel would run them).
+``draft_length=adaptive``; ``<method>_onednn``: any of ours (a copy with its own drafter state, the
+models shared) with every model's passes on oneDNN's packed matrices where the float rows
+kernel would run them).
 Beside tokens/s end to end it reports time to first token (TTFT: prefill and the first
 round) and time per output token after it (TPOT), each method's TPOT against ours plain,
 and for ours the verify rows per round and a round's verify cost in plain steps.
@@ -62,7 +63,7 @@ from specflow.models.row_padding import (  # noqa: E402
     row_probe,
 )
 from specflow.recycling import RecyclingTable  # noqa: E402
-from specflow.runner import build_prompt  # noqa: E402
+from specflow.runner import WARM_UP, build_prompt  # noqa: E402
 from specflow.scheduler import generate  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
 from specflow.suffix_index import SuffixIndex  # noqa: E402
@@ -492,7 +493,13 @@ def main() -> None:
     methods: dict[str, Callable] = {name: run_ours(p) for name, p in ours.items()}
     if padded_rows is not None:
         methods.update({f"{name}_rows": run_ours(p, padded_rows) for name, p in ours.items()})
-    methods.update({f"{name}_onednn": run_ours(p, float_rows=False) for name, p in ours.items()})
+    # a twin of each pipeline (its drafter's state its own: token-tree tables and suffix
+    # indexes keep every request's output, so a shared drafter would see the other's answer),
+    # sharing the models
+    shared = {id(lm): lm for lm in padded_models}
+    methods.update({f"{name}_onednn": run_ours(copy.deepcopy(p, dict(shared)), float_rows=False)
+                    for name, p in ours.items()
+                    if not args.only or f"{name}_onednn" in args.only})
     methods["hf_ar"] = run_hf()
     methods["hf_pld"] = run_hf(prompt_lookup_num_tokens=10)
     if hf_drafter is not None:
@@ -500,9 +507,11 @@ def main() -> None:
     if args.only:
         methods = {k: v for k, v in methods.items() if k in args.only or k == "ours_ar"}
 
-    # warm-up (untimed)
+    # warm-up (untimed), on a prompt none of the measured ones is: token trees keep every
+    # request's output, so warming up on a measured prompt would hand them its answer
+    warm = build_prompt(tok, [{"role": "user", "content": WARM_UP}], settings)
     for fn in methods.values():
-        fn(prompts[0][:64])
+        fn(warm)
 
     per_repeat: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}

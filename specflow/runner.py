@@ -49,6 +49,8 @@ from specflow.workload import Request
 
 log = logging.getLogger(__name__)
 
+WARM_UP = "Count from one to twenty in words, then name the twelve months of the year."
+
 
 DRIFT_WARN = 0.10  # a cached baseline that re-times more than 10 % off is reported
 
@@ -292,15 +294,14 @@ class Runner:
                 raise type(exc)(f"request {r.request_id}: {exc}") from None
 
     def warmup(self, schedulers: list[Scheduler], requests: list[Request]) -> None:
-        """Untimed short generations so that first-call costs don't land in a measurement."""
+        """Untimed short generations so that first-call costs don't land in a measurement: a
+        fixed prompt (``WARM_UP``), none of the workload's, so that a drafter that keeps what it
+        has seen (token trees' tables, suffix index) is handed no measured answer; as many as
+        a batch of the run holds."""
         s = self.settings
         n = min(8, s.max_new_tokens)
-        warm = [
-            SeqRequest(
-                build_prompt(self.tokenizer, [{"role": "user", "content": r.turns[0]}], s), n
-            )
-            for r in requests[: s.batch_size]
-        ]
+        prompt = build_prompt(self.tokenizer, [{"role": "user", "content": WARM_UP}], s)
+        warm = [SeqRequest(list(prompt), n) for _ in requests[: s.batch_size]]
         for scheduler in schedulers:
             scheduler.generate(warm, self.sampling)
 

@@ -262,10 +262,14 @@ def test_a_packed_fp32_model_keeps_its_own_matrices_for_the_float_kernel(target)
 
 
 @needs_onednn
-def test_no_float_layers_where_the_kernel_does_not_run(target, monkeypatch):
+def test_no_float_layers_where_the_kernel_does_not_run(target, monkeypatch, caplog):
+    """The other branch: oneDNN at every count, one log line saying why."""
     hf, lm = target
     monkeypatch.setattr(rows_kernel, "kernel_status", lambda: KernelStatus(None, "off"))
-    assert NativeLM.from_hf(hf, lm.info).float_rows_layers == []
+    with caplog.at_level("INFO", logger="specflow"):
+        model = NativeLM.from_hf(hf, lm.info)
+    assert model.packed and model.float_rows_layers == [] and model.float_rows_head is None
+    assert "packed matmuls at every row count (the float rows kernel: off)" in caplog.text
 
 
 @needs_kernel

@@ -396,7 +396,12 @@ class NativeLM:
         """Keep the HF model's own row-major fp32 matrices for the float rows kernel
         (``float_rows_layers``, ``float_rows_head``; views, no copy) where the kernel runs on
         this CPU and every matrix is a contiguous float32 CPU tensor; else leave them empty."""
-        if self.dtype != torch.float32 or not rows_kernel.kernel_status().available:
+        if self.dtype != torch.float32:
+            return
+        status = rows_kernel.kernel_status()
+        if not status.available:
+            log.info("%s: oneDNN's packed matmuls at every row count (the float rows kernel: "
+                     "%s)", self.info.name, status.why)
             return
         base = hf_model.model
 
