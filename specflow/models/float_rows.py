@@ -33,14 +33,10 @@ class StackedRows:
     parts: tuple[torch.Tensor, ...]
 
     def __post_init__(self) -> None:
-        if not self.parts:
-            raise ValueError("StackedRows needs at least one part")
-        k = self.parts[0].shape[1]
-        for w in self.parts:
-            if (w.dim() != 2 or w.dtype != torch.float32 or not w.is_contiguous()
-                    or w.shape[1] != k or w.device.type != "cpu"):
-                raise ValueError(f"StackedRows parts must be contiguous float32 CPU [n, {k}] "
-                                 f"matrices, got {tuple(w.shape)} {w.dtype} on {w.device}")
+        if not stackable(*self.parts):
+            raise ValueError(f"StackedRows parts must be contiguous float32 CPU [n, in] "
+                             f"matrices of one width, at least one, got "
+                             f"{[(tuple(w.shape), w.dtype, str(w.device)) for w in self.parts]}")
 
     @property
     def shape(self) -> torch.Size:

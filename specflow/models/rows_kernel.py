@@ -24,7 +24,7 @@ its own columns of ``y``), 8 lanes a step along ``k`` and a fixed horizontal sum
 A row's result is again the same whatever the other rows or the threads.  Measured on the
 same CPU capped at AVX2, four layers of the Qwen2.5-1.5B's shapes (750 MB of fp32 weights,
 ms; ``docs/performance.md``): 1 row 25.8 against oneDNN's packed 30.5, 4 rows 26.9 against
-37.8, 6 rows 30.5 against 38.8; from about 8 rows oneDNN is as fast or faster, and the row
+37.8, 6 rows 30.5 against 38.8; from about 9 rows the two are level, and the row
 probe (``specflow.models.row_padding``) picks per row count.
 
 It is C++ built once per machine by the system compiler (``c++``/``g++``, flags ``FLAGS``)
