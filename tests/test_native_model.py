@@ -9,11 +9,12 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from specflow.cpu import probe_cpu
 from specflow.errors import ConfigError
+from specflow.kv import contiguous
 from specflow.kv.base import KVSpec
 from specflow.kv.contiguous import KVCache, layer_caches
 from specflow.kv.session import ModelSession
 from specflow.models.hf_backend import HFBackendLM
-from specflow.models.native import NativeLM, supports
+from specflow.models.native import NativeLM, rotate, supports
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 
 ATOL = 1e-4
@@ -206,6 +207,52 @@ def test_rollback_leaves_cache_as_if_never_drafted(arch):
     drafted.extend([3, 1, 4])
     plain.extend([3, 1, 4])
     assert torch.equal(drafted.logits(N_LAYERS, 11, 14), plain.logits(N_LAYERS, 11, 14))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_long_blocks_take_sdpa_and_match_hf(arch, monkeypatch):
+    """A prefill of >= SDPA_ROWS rows from position 0 (SDPA's is_causal) and a long block
+    after cached keys (its explicit lower-right mask) match HF's forward; blocks below the
+    threshold never reach SDPA."""
+    hf, lm = native(arch)
+    calls: list[tuple[int, int]] = []
+    real = contiguous._sdpa_block
+
+    def spy(q, cache, start, end, scale, memo):
+        calls.append((start, end))
+        return real(q, cache, start, end, scale, memo)
+
+    monkeypatch.setattr(contiguous, "_sdpa_block", spy)
+    n = contiguous.SDPA_ROWS
+    seq = random_tokens(2 * n + 20, seed=9)
+    ref = hf_logits(hf, seq)
+    s = ModelSession(lm, len(seq) + 1)
+    s.set_tokens(seq[: n + 5])
+    s.prefill()  # n + 4 rows from position 0
+    assert calls == [(0, n + 4)] * N_LAYERS
+    assert_close(s.logits(N_LAYERS, n + 4, n + 5), ref[n + 4 : n + 5])  # one row: bmm
+    assert len(calls) == N_LAYERS
+    s.extend(seq[n + 5 :])  # n + 15 rows after n + 5 cached positions
+    assert_close(s.logits(N_LAYERS, n + 5, len(seq)), ref[n + 5 :])
+    assert calls[N_LAYERS:] == [(n + 5, len(seq))] * N_LAYERS
+    calls.clear()
+    s.set_tokens(seq[: n + 5])
+    s.extend(seq[n + 5 : 2 * n + 4])  # n - 1 rows: the bmms
+    assert_close(s.logits(N_LAYERS, n + 5, 2 * n + 4), ref[n + 5 : 2 * n + 4])
+    assert calls == []
+
+
+def test_rotate_equals_the_rope_formula_bit_for_bit():
+    """``rotate`` on a strided slice (as of the fused q/k/v output) is exactly
+    ``x * cos + roll(x, D/2) * sin_signed``: the same products and sums, rounded alike."""
+    g = torch.Generator().manual_seed(0)
+    fused = torch.randn(7, 5 * 16, generator=g)
+    x = fused[:, : 4 * 16].view(7, 4, 16)  # [N, H, D], row stride 80
+    cos = torch.randn(7, 1, 16, generator=g)
+    sin = torch.randn(7, 1, 16, generator=g)
+    got = rotate(x, cos, sin)
+    assert got.is_contiguous()
+    assert torch.equal(got, x * cos + x.roll(8, -1) * sin)
 
 
 def test_kv_cache_truncate_only_lowers_length():
