@@ -19,7 +19,9 @@ and the draft model seeing only the last ``--context-window`` prompt tokens; ``*
 int8 copies multiplied by ATen's kernel instead of the rows kernel, as where it cannot run;
 ``ours_pld_sps_int8_window_sub32k``: the draft model scoring only token ids below 32768 and
 the prompt's, ``drafter.vocab_subset=32768``; ``ours_pld_sps_int8_window_adaptive``: with
-``draft_length=adaptive``; ``<method>_onednn``: any of ours (a copy with its own drafter state, the
+``draft_length=adaptive``; ``ours_pld_sps_int8_window<N>_adaptive`` for each N of
+``--context-windows``: the same at a draft context of N prompt tokens; ``<method>_onednn``:
+any of ours (a copy with its own drafter state, the
 models shared) with every model's passes on oneDNN's packed matrices where the float rows
 kernel would run them).
 Beside tokens/s end to end it reports time to first token (TTFT: prefill and the first
@@ -150,8 +152,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="draft length of our sps")
-    ap.add_argument("--context-window", type=int, default=256,
+    ap.add_argument("--context-window", type=int, default=128,
                     help="the *_window methods' draft context (drafter.context_window)")
+    ap.add_argument("--context-windows", type=int, nargs="*", default=[],
+                    help="also ours_pld_sps_int8_window<N>_adaptive for each N")
     ap.add_argument("--no-int8", action="store_true",
                     help="skip loading the drafter's int8 copy (the *_int8 methods)")
     ap.add_argument("--pld-k", type=int, default=8, help="draft length of our pld")
@@ -344,6 +348,12 @@ def main() -> None:
                     fallback_pld(), ModelDrafter(drafter8.lm, k=args.k,
                                                  context_window=args.context_window)),
                 draft_length=AdaptiveDraftLength())
+            for window in args.context_windows:  # the adaptive one at other windows
+                ours[f"ours_pld_sps_int8_window{window}_adaptive"] = SpeculativePipeline(
+                    verifier, StandardAcceptor(), drafter=FallbackDrafter(
+                        fallback_pld(), ModelDrafter(drafter8.lm, k=args.k,
+                                                     context_window=window)),
+                    draft_length=AdaptiveDraftLength())
             ours["ours_pld_sps_int8_window_sub32k"] = SpeculativePipeline(  # + vocab_subset
                 verifier, StandardAcceptor(), drafter=FallbackDrafter(
                     fallback_pld(), ModelDrafter(drafter8.lm, k=args.k, vocab_subset=32768,
