@@ -343,13 +343,9 @@ def main() -> None:
                 verifier, StandardAcceptor(), drafter=FallbackDrafter(
                     fallback_pld(), ModelDrafter(drafter8.lm, k=args.k,
                                                  context_window=args.context_window)))
-            ours["ours_pld_sps_int8_window_adaptive"] = SpeculativePipeline(
-                verifier, StandardAcceptor(), drafter=FallbackDrafter(
-                    fallback_pld(), ModelDrafter(drafter8.lm, k=args.k,
-                                                 context_window=args.context_window)),
-                draft_length=AdaptiveDraftLength())
-            for window in args.context_windows:  # the adaptive one at other windows
-                ours[f"ours_pld_sps_int8_window{window}_adaptive"] = SpeculativePipeline(
+            windows = {"": args.context_window} | {str(w): w for w in args.context_windows}
+            for label, window in windows.items():  # the adaptive one, at other windows too
+                ours[f"ours_pld_sps_int8_window{label}_adaptive"] = SpeculativePipeline(
                     verifier, StandardAcceptor(), drafter=FallbackDrafter(
                         fallback_pld(), ModelDrafter(drafter8.lm, k=args.k,
                                                      context_window=window)),

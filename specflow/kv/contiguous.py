@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from specflow.errors import PromptTooLongError
 from specflow.kv.base import KVSpec, LayeredLM, LayerKV, SelfManagedKV
+from specflow.kv.kernels import causal_prefill
 from specflow.kv.tree import TreeLayout
 
 
@@ -166,24 +167,22 @@ def _sdpa_block(
     q: torch.Tensor, cache: KVCache, start: int, end: int, scale: float, memo: dict
 ) -> torch.Tensor:
     """``q [T, NH, D]`` (positions ``[start, end)``) over the cache's keys ``[0, end)``
-    with the lower-right causal rule -> ``[T, NH, D]``.  From position 0 that is SDPA's
-    ``is_causal``; after cached keys an explicit boolean mask (memoised per forward).  GQA
-    through ``enable_gqa``: K/V are not repeated."""
-    t = end - start
-    keys = cache.k[:, :end][None]  # [1, KH, e, D]
-    values = cache.v[:, :end][None]
-    queries = q.transpose(0, 1)[None]  # [1, NH, T, D]
+    with the lower-right causal rule -> ``[T, NH, D]``.  From position 0 that is the paged
+    path's ``causal_prefill`` (SDPA's ``is_causal``); after cached keys an explicit boolean
+    mask (memoised per forward).  GQA through ``enable_gqa``: K/V are not repeated."""
+    keys = cache.k[:, :end]  # [KH, e, D]
+    values = cache.v[:, :end]
     if start == 0:
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        key = ("visible", start, t)
-        visible = memo.get(key)
-        if visible is None:  # query i sees keys <= start + i
-            visible = memo[key] = torch.ones(
-                t, end, dtype=torch.bool, device=q.device).tril(start)  # [T, e]
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=visible, scale=scale, enable_gqa=True)
+        return causal_prefill(q, keys.transpose(0, 1), values.transpose(0, 1), [end], scale)
+    t = end - start
+    key = ("visible", start, t)
+    visible = memo.get(key)
+    if visible is None:  # query i sees keys <= start + i
+        visible = memo[key] = torch.ones(
+            t, end, dtype=torch.bool, device=q.device).tril(start)  # [T, e]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=visible, scale=scale,
+        enable_gqa=True)  # [1, NH, T, D]
     return out[0].transpose(0, 1)  # [T, NH, D]
 
 
