@@ -165,6 +165,38 @@ def test_keep_rows_moves_keys_in_both_layouts(lm):
     pool.allocator.check_no_leaks()
 
 
+def test_keep_rows_already_in_place_only_shortens(lm, monkeypatch):
+    """A kept path of rows 0..m-1 (no node accepted, or a chain's first nodes) is where it
+    belongs: the length drops to it, the keys stay, and no copy runs (``torch.tensor`` would
+    build the gather's indices)."""
+    spec = lm.kv
+    cache = KVCache(spec, 16)
+    cache.k[:, :10] = torch.arange(10, dtype=torch.float32)[None, :, None]
+    cache.length = 10
+    pool = PagedKVCache(spec, num_blocks=8, block_size=4)
+    layers = pool.add_sequence(0, 16)
+    pool.reserve(0, 10)  # 3 blocks of 4
+    slots = pool.slots(0, 0, 10)
+    pool.k[1].view(-1, spec.kv_heads, spec.head_dim)[slots] = 7.0
+    for layer in range(spec.num_layers):
+        pool.set_length(0, layer, 10)
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("keep_rows gathered rows that were in place")
+
+    monkeypatch.setattr(torch, "tensor", no_gather)
+    cache.keep_rows(4, [0, 1])
+    for layer in layers:
+        layer.keep_rows(4, [0])
+    monkeypatch.undo()
+    assert cache.length == 6
+    assert cache.k[0, :10, 0].tolist() == [float(i) for i in range(10)]
+    assert [layer.length for layer in layers] == [5] * spec.num_layers
+    assert len(pool.blocks_of(0)) == 2  # the third block held only dropped rows: freed
+    pool.remove_sequence(0)
+    pool.allocator.check_no_leaks()
+
+
 def test_draft_depth_and_first_chain():
     tree = Draft(NODES, parents=PARENTS)
     assert (tree.depth, tree.first_chain()) == (3, [0, 2, 4])

@@ -63,10 +63,11 @@ class KVCache:
         position ``start + rows[j]`` moves to ``start + j``; the length becomes
         ``start + len(rows)`` (a tree's accepted path, see ``specflow.kv.tree``)."""
         keep_rows_check(self.length, start, rows)
-        src = torch.tensor(rows, device=self.k.device) + start
         end = start + len(rows)
-        self.k[:, start:end] = self.k[:, src]  # advanced indexing copies first
-        self.v[:, start:end] = self.v[:, src]
+        if rows and rows[-1] != len(rows) - 1:  # increasing: else rows == 0..len-1, in place
+            src = torch.tensor(rows, device=self.k.device) + start
+            self.k[:, start:end] = self.k[:, src]  # advanced indexing copies first
+            self.v[:, start:end] = self.v[:, src]
         self.length = end
 
 

@@ -279,13 +279,14 @@ class PagedLayerKV:
         layer's pool; the length becomes ``start + len(rows)``."""
         keep_rows_check(self.length, start, rows)
         cache, end = self.cache, start + len(rows)
-        src = torch.tensor(cache.slots(self.seq_id, start, self.length), dtype=torch.long)
-        src = src[torch.tensor(rows, dtype=torch.long)].to(cache.k.device)
-        dst = torch.tensor(cache.slots(self.seq_id, start, end), dtype=torch.long,
-                           device=cache.k.device)
-        for pool in (cache.k[self.layer], cache.v[self.layer]):  # [NB, BS, KH, D]
-            flat = pool.view(-1, *pool.shape[2:])
-            flat[dst] = flat[src]  # advanced indexing copies first
+        if rows and rows[-1] != len(rows) - 1:  # increasing: else rows == 0..len-1, in place
+            src = torch.tensor(cache.slots(self.seq_id, start, self.length), dtype=torch.long)
+            src = src[torch.tensor(rows, dtype=torch.long)].to(cache.k.device)
+            dst = torch.tensor(cache.slots(self.seq_id, start, end), dtype=torch.long,
+                               device=cache.k.device)
+            for pool in (cache.k[self.layer], cache.v[self.layer]):  # [NB, BS, KH, D]
+                flat = pool.view(-1, *pool.shape[2:])
+                flat[dst] = flat[src]  # advanced indexing copies first
         cache.set_length(self.seq_id, self.layer, end)
         cache.truncate(self.seq_id, self.layer, end)  # frees blocks no layer needs
 

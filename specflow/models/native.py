@@ -601,7 +601,7 @@ class NativeLM:
         qkv = linear(x, w.wqkv, w.bqkv, r)  # [N, (NH + 2KH) * D]
         qk = qkv[:, : (nh + kh) * d].view(n, nh + kh, d)  # [N, NH + KH, D]
         v = qkv[:, (nh + kh) * d :].view(n, kh, d)  # [N, KH, D]
-        qk = rotate(qk, self.cos[rows].unsqueeze(1), self.sin_signed[rows].unsqueeze(1))
+        qk = rotate(qk, *self._rope_rows(rows, memo))
         att = attention.attend(qk[:, :nh], qk[:, nh:], v, batch, self.scale, memo)  # [N, NH, D]
         x = linear(att.reshape(n, nh * d), w.wo, w.bo, r)  # [N, H]
         hidden = hidden + x
@@ -610,6 +610,21 @@ class NativeLM:
         gate, up = linear(x, w.w_gate_up, w.b_gate_up, r).chunk(2, dim=-1)  # [N, I] each
         act = F.silu(gate).mul_(up)  # [N, I]: one new tensor, the product in place
         return hidden + linear(act, w.w_down, w.b_down, r)  # [N, H]
+
+    def _rope_rows(self, rows: slice | torch.Tensor,
+                   memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin_signed [N, 1, D]`` at the positions ``rows``: views for a slice; for a
+        positions tensor (a tree, a ragged batch) gathered once per forward and shared by
+        its layers through ``memo`` (the backend memoises ``rows`` itself, so one forward
+        passes every layer the same tensor)."""
+        if isinstance(rows, slice):
+            return self.cos[rows].unsqueeze(1), self.sin_signed[rows].unsqueeze(1)
+        key = ("rope", id(self.cos), id(rows))
+        hit = memo.get(key)
+        if hit is None or hit[0] is not rows:
+            hit = memo[key] = (rows, self.cos[rows].unsqueeze(1),
+                               self.sin_signed[rows].unsqueeze(1))
+        return hit[1], hit[2]
 
     @torch.no_grad()
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
