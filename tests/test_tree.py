@@ -192,6 +192,8 @@ def test_keep_rows_already_in_place_only_shortens(lm, monkeypatch):
     assert cache.length == 6
     assert cache.k[0, :10, 0].tolist() == [float(i) for i in range(10)]
     assert [layer.length for layer in layers] == [5] * spec.num_layers
+    flat = pool.k[1].view(-1, spec.kv_heads, spec.head_dim)
+    assert bool((flat[pool.slots(0, 0, 5)] == 7.0).all())
     assert len(pool.blocks_of(0)) == 2  # the third block held only dropped rows: freed
     pool.remove_sequence(0)
     pool.allocator.check_no_leaks()
