@@ -152,10 +152,12 @@ class RowPrices:
     the two largest (never downwards).  A pass of more rows is never priced below one of
     fewer: S is taken as its running maximum from the step's row count up, so the probe's
     noise (or a kernel that runs 3 rows faster than 2) never makes a longer draft look
-    cheaper than a shorter one.  It prices the matmuls, which are most of a CPU pass;
-    attention over the context and the per-layer overhead grow less per row, so a pass's
-    true price rises a little slower than this.  Invariants: price(1) = 1, price(n) >= 1,
-    price non-decreasing in n.
+    cheaper than a shorter one.  It prices the matmuls, which are most of a CPU pass; the
+    rest (norms, RoPE, attention, the ops' dispatch) is measured as a whole pass only.  On
+    the Qwen2.5-1.5B (AVX2-capped EPYC) a pass's true price rose a little slower than this
+    (a round of 4.09 rows: 1.11 steps, the probe about 1.14); on SmolLM2-135M, where that rest is
+    about a quarter of a step, faster (4.21 rows: 1.24, the probe about 1.15).  Invariants:
+    price(1) = 1, price(n) >= 1, price non-decreasing in n.
 
     Attributes:
         seconds: the probe's median seconds by row count (at least two counts, 1 included,
