@@ -62,22 +62,23 @@ class KVCache:
         """Keep, of the positions from ``start`` on, rows ``rows`` (increasing offsets):
         position ``start + rows[j]`` moves to ``start + j``; the length becomes
         ``start + len(rows)`` (a tree's accepted path, see ``specflow.kv.tree``)."""
-        keep_rows_check(self.length, start, rows)
         end = start + len(rows)
-        if rows and rows[-1] != len(rows) - 1:  # increasing: else rows == 0..len-1, in place
+        if rows_move(self.length, start, rows):
             src = torch.tensor(rows, device=self.k.device) + start
             self.k[:, start:end] = self.k[:, src]  # advanced indexing copies first
             self.v[:, start:end] = self.v[:, src]
         self.length = end
 
 
-def keep_rows_check(length: int, start: int, rows: list[int]) -> None:
-    """``ValueError`` unless ``rows`` are increasing offsets of held positions from
-    ``start``."""
+def rows_move(length: int, start: int, rows: list[int]) -> bool:
+    """Whether ``keep_rows(start, rows)`` moves any position: False when ``rows`` are
+    ``0..len(rows)-1`` (increasing, so the last one says it), already in place.
+    ``ValueError`` unless ``rows`` are increasing offsets of held positions from ``start``."""
     if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or (
         rows and (rows[0] < 0 or start + rows[-1] >= length)
     ):
         raise ValueError(f"cannot keep rows {rows} from position {start} of {length}")
+    return bool(rows) and rows[-1] != len(rows) - 1
 
 
 class ContiguousAttention:

@@ -34,7 +34,7 @@ import torch
 
 from specflow.errors import ConfigError, PromptTooLongError, SpecflowError
 from specflow.kv.base import KVSpec, LayeredLM, SelfManagedKV
-from specflow.kv.contiguous import keep_rows_check
+from specflow.kv.contiguous import rows_move
 from specflow.kv.kernels import (
     FLASH_BLOCK_MULTIPLE,
     AttnBatch,
@@ -277,9 +277,8 @@ class PagedLayerKV:
     def keep_rows(self, start: int, rows: list[int]) -> None:
         """``KVCache.keep_rows``: position ``start + rows[j]`` moves to ``start + j`` in this
         layer's pool; the length becomes ``start + len(rows)``."""
-        keep_rows_check(self.length, start, rows)
         cache, end = self.cache, start + len(rows)
-        if rows and rows[-1] != len(rows) - 1:  # increasing: else rows == 0..len-1, in place
+        if rows_move(self.length, start, rows):
             src = torch.tensor(cache.slots(self.seq_id, start, self.length), dtype=torch.long)
             src = src[torch.tensor(rows, dtype=torch.long)].to(cache.k.device)
             dst = torch.tensor(cache.slots(self.seq_id, start, end), dtype=torch.long,
