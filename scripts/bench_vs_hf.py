@@ -69,6 +69,7 @@ from specflow.runner import WARM_UP, build_prompt  # noqa: E402
 from specflow.scheduler import generate  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
 from specflow.suffix_index import SuffixIndex  # noqa: E402
+from specflow.whole_pass import check_float_rows  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
 from stages.draft_length import AdaptiveDraftLength  # noqa: E402
 from stages.fallback_drafter import FallbackDrafter  # noqa: E402
@@ -120,7 +121,7 @@ def aten_int8_twin(lm: NativeLM) -> NativeLM:
     ATen's layout and multiplied by ATen's kernel (``*_aten``), probed on its own."""
     twin = copy.copy(lm)
     twin.int8_layers, twin.int8_head, twin.int8_rows = [], None, frozenset()
-    twin.row_probe = None
+    twin.row_probe = twin.whole_pass_check = None
     twin.make_int8_copies(blocked=False)
     return twin
 
@@ -450,6 +451,14 @@ def main() -> None:
               f"{sorted(lm.dense_rows) or 'no row count'}, int8 at "
               f"{sorted(lm.int8_rows) or 'no row count'}, float rows kernel at "
               f"{sorted(lm.float_rows) or 'no row count'}")
+    for lm in padded_models:
+        lm.min_rows = base_rows[id(lm)]  # as ours run, so the check pads as they will
+    check_float_rows(padded_models)  # as run.py: the kernel only where a whole pass gains
+    for lm in padded_models:
+        if lm.whole_pass_check is not None:
+            print(f"{lm.info.name}: whole-pass check {lm.whole_pass_check}, float rows kernel at "
+                  f"{sorted(lm.float_rows) or 'no row count'}, int8 at "
+                  f"{sorted(lm.int8_rows) or 'no row count'}")
     chosen_float_rows = {id(lm): lm.float_rows for lm in padded_models}
 
     def run_ours(pipe: SpeculativePipeline, min_rows: int | None = None,

@@ -125,12 +125,17 @@ def prepare_run(cfg: DictConfig, out: Path) -> PreparedRun:
     folder = RunFolder(out, resume=cfg.resume, fingerprint=results_fingerprint(config))
     from specflow.models.row_padding import run_row_padding
 
+    models = [target.lm, *(use.lm for use in pipeline.uses())]
+    if settings.device == "cpu":
+        from specflow.whole_pass import check_float_rows
+
+        check_float_rows(models)  # the float rows kernel only where a whole pass gains
     meta = RunMeta(
         method=cfg.method,
         target_model=pipeline.info.name,
         models=[info.name for info in pipeline.models()],
         config=config,
-        row_padding=run_row_padding([target.lm, *(use.lm for use in pipeline.uses())]),
+        row_padding=run_row_padding(models),
     )
     return PreparedRun(runner, list(workload.requests()), folder, meta)
 

@@ -13,6 +13,7 @@ from specflow.models.native import NativeLM, linear, pack
 from specflow.models.row_padding import (
     RowPrices,
     RowProbe,
+    WholePassCheck,
     apply_min_rows,
     choose_dense_rows,
     choose_float_rows,
@@ -21,6 +22,7 @@ from specflow.models.row_padding import (
     probe_min_rows,
     row_padding_info,
     row_prices,
+    settle_float_rows,
 )
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 from specflow.scheduler import generate
@@ -85,7 +87,7 @@ def test_apply_min_rows_sets_probes_once_and_refuses_bad_values(monkeypatch):
     assert row_padding_info(lm) == {"min_rows": 3, "probe_ms": {"1": 1000.0, "3": 500.0},
                                     "dense_ms": None, "dense_rows": [], "int8_ms": None,
                                     "int8_rows": [], "int8_kernel": None,
-                                    "float_ms": None, "float_rows": []}
+                                    "float_ms": None, "float_rows": [], "float_check": None}
     assert row_padding_info(hf) == {"min_rows": 1}
     for bad in (0, -2, "four"):
         with pytest.raises(ConfigError, match="min_rows"):
@@ -246,7 +248,40 @@ def test_apply_min_rows_runs_the_float_kernel_where_the_probe_chose_it(monkeypat
     monkeypatch.setattr("specflow.models.row_padding.probe_min_rows", lambda model: probe)
     apply_min_rows(lm, None)
     assert lm.float_rows == frozenset({1, 2}) and lm.min_rows == 1
+    settle_float_rows(lm, WholePassCheck(1, 0.004, 0.005))  # faster with the kernel: kept
+    assert lm.float_rows == frozenset({1, 2})
     info = row_padding_info(lm)
     assert info["float_rows"] == [1, 2] and info["float_ms"]["1"] == 500.0
+    assert info["float_check"] == {"rows": 1, "with_ms": 4.0, "without_ms": 5.0}
     prices = row_prices(lm)
     assert prices.seconds == {1: 0.5, 2: 0.9, 4: 1.2, 8: 1.5} and prices(4) == 1.2 / 0.5
+
+
+def test_a_whole_pass_check_keeps_the_float_kernel_only_where_the_pass_is_faster_with_it():
+    assert WholePassCheck(1, 0.190, 0.191).keeps
+    assert not WholePassCheck(1, 0.191, 0.191).keeps  # level: the kernel brings nothing
+    assert not WholePassCheck(1, 0.233, 0.191).keeps  # the 1.5B's step at AVX-512
+
+
+@needs_onednn
+def test_the_float_kernel_is_not_used_where_a_whole_pass_runs_slower_with_it(monkeypatch):
+    """The matmul probe chose the float kernel at 1 and 2 rows, a whole 1-row pass ran
+    slower with it: the model keeps oneDNN at every count, its prices are oneDNN's, and
+    its int8 copies are chosen again against oneDNN (they had lost to the kernel at 1)."""
+    hf = tiny_hf_model("llama", num_layers=2, seed=3)
+    lm = NativeLM.from_hf(hf, tiny_model_info(hf, "tiny-float-dropped"))
+    if not lm.float_rows_layers:
+        pytest.skip("the float rows kernel does not run here")
+    lm.make_int8_copies()
+    probe = RowProbe({1: 1.0, 2: 1.0, 4: 1.2}, 1, priced={8: 1.5},
+                     float_rows={1: 0.5, 2: 0.9, 4: 1.4, 8: 2.0},
+                     int8={1: 0.7, 2: 1.2, 4: 1.5, 8: 2.0})
+    monkeypatch.setattr("specflow.models.row_padding.probe_min_rows", lambda model: probe)
+    apply_min_rows(lm, None)
+    assert lm.float_rows == frozenset({1, 2}) and lm.int8_rows == frozenset()
+    settle_float_rows(lm, WholePassCheck(1, 0.233, 0.191))
+    assert lm.float_rows == frozenset() and lm.int8_rows == frozenset({1}) and lm.min_rows == 1
+    info = row_padding_info(lm)
+    assert info["float_rows"] == [] and info["float_ms"]["1"] == 500.0
+    assert info["float_check"] == {"rows": 1, "with_ms": 233.0, "without_ms": 191.0}
+    assert row_prices(lm).seconds == {1: 0.7, 2: 1.0, 4: 1.2, 8: 1.5}

@@ -267,6 +267,9 @@ class NativeLM:
         # ``specflow.models.row_padding``): 1 = as given.
         self.min_rows = 1
         self.row_probe: object | None = None  # row_padding.RowProbe, once probed
+        # row_padding.WholePassCheck: the whole-pass timing that kept or dropped the float
+        # rows kernel, once run
+        self.whole_pass_check: object | None = None
         # Row counts whose passes multiply dense copies of the packed matrices
         # (``set_dense_rows``; ``row_padding.use_dense_rows``), and those copies.
         self.dense_rows: frozenset[int] = frozenset()

@@ -34,6 +34,17 @@ an AMD EPYC capped at AVX2: decoding steps and verification passes of up to abou
 Which kernel runs a count, first match: int8 copies, the float rows kernel, dense copies,
 the packed matrices (padded to ``min_rows``).
 
+The matrices' times do not always rank whole passes the same way: on the 2-vCPU `AMD EPYC`
+at AVX-512 the float rows kernel's 1-row matmuls timed level with oneDNN's padded ones (the
+28 layers: 175 against 172 ms) while a whole 1-row decoding pass of the Qwen2.5-1.5B took
+233 ms with the kernel against 191 without; capped at AVX2 the same check ran 216 against
+298.  So where the probe chooses the float rows kernel, a whole pass at the fewest rows it
+chose is timed with and without it, a few interleaved passes after a 32-token prefill, and
+the kernel is kept only where that pass is faster with it (``WholePassCheck``,
+``settle_float_rows``; logged and in the run's summary).  A pass needs keys and values,
+which ``models/`` does not touch, so ``specflow.whole_pass`` times it once the models are
+loaded (``specflow.app`` and the benchmarks call ``check_float_rows``).
+
 Padding appends zero rows to the input of each packed multiply and drops their outputs
 (``specflow.models.native.linear``).  Every output row depends only on its own input row;
 a kernel chosen for another row count may round differently in the last bits, as a
@@ -279,10 +290,49 @@ def use_float_rows(lm: NativeLM, rows: frozenset[int]) -> None:
                  lm.info.name, sorted(rows))
 
 
+@dataclass(frozen=True)
+class WholePassCheck:
+    """Median seconds of a whole pass of ``rows`` rows (the model's layers and LM head, as a
+    decoding step or a verification runs them) with the float rows kernel at the row counts
+    the matmul probe chose for it (``with_s``) and with what runs there otherwise
+    (``without_s``), timed by ``specflow.whole_pass``.  The kernel is kept only where the
+    pass is faster with it (``keeps``)."""
+
+    rows: int
+    with_s: float
+    without_s: float
+
+    @property
+    def keeps(self) -> bool:
+        return self.with_s < self.without_s
+
+
+def settle_float_rows(lm: NativeLM, check: WholePassCheck) -> None:
+    """Keep ``lm``'s float rows kernel if ``check`` says a whole pass is faster with it, else
+    run those counts as they would run without it, and choose the int8 copies' counts again
+    against that; ``check`` is kept in ``lm.whole_pass_check`` (the run's summary) and
+    logged."""
+    lm.whole_pass_check = check
+    chosen = sorted(lm.float_rows)
+    log.info("%s: a whole %d-row pass took %.2f ms with the float rows kernel and %.2f ms "
+             "without: %s", lm.info.name, check.rows, check.with_s * 1e3,
+             check.without_s * 1e3,
+             f"the kernel runs at {chosen} rows" if check.keeps
+             else f"the kernel is not used (the matmul probe had chosen it at {chosen} rows)")
+    if check.keeps:
+        return
+    lm.set_float_rows(frozenset())
+    probe = lm.row_probe
+    if lm.int8_layers and isinstance(probe, RowProbe):
+        use_int8_rows(lm, choose_int8_rows(probe, lm.min_rows, lm.dense_rows))
+
+
 def choose_row_kernels(lm: NativeLM, probe: RowProbe, min_rows: int) -> None:
     """Give ``lm`` the kernels the probe found fastest per row count at row padding
     ``min_rows``: dense copies, then the float rows kernel, then int8 copies (each against
-    what runs there after the ones before it); logged."""
+    what runs there after the ones before it); logged.  The float rows kernel is then
+    checked on a whole pass (``specflow.whole_pass.check_float_rows``, once the model can
+    run one: ``settle_float_rows``)."""
     use_dense_rows(lm, choose_dense_rows(probe, min_rows))
     if lm.float_rows_layers:
         use_float_rows(lm, choose_float_rows(probe, min_rows, lm.dense_rows))
@@ -373,7 +423,9 @@ def row_padding_info(lm: object) -> dict[str, object]:
     ``min_rows`` and, when it was probed, the probe's milliseconds by row count; with int8
     copies (``model.quantize=int8``) the kernel that multiplies them, ``int8_kernel``:
     ``rows`` (``specflow.models.rows_kernel``) or ``aten`` (``None`` without copies); the
-    float rows kernel's milliseconds and row counts (``float_ms``, ``float_rows``)."""
+    float rows kernel's milliseconds and row counts (``float_ms``, ``float_rows``) and the
+    whole-pass check that kept or dropped it (``float_check``: ``WholePassCheck`` in ms;
+    ``None`` where none ran)."""
     if not isinstance(lm, NativeLM):
         return {"min_rows": 1}
     probe = lm.row_probe
@@ -386,11 +438,15 @@ def row_padding_info(lm: object) -> dict[str, object]:
                if isinstance(probe, RowProbe) and probe.int8 else None)
     float_ms = ({str(r): round(t * 1e3, 3) for r, t in sorted(probe.float_rows.items())}
                 if isinstance(probe, RowProbe) and probe.float_rows else None)
+    check = lm.whole_pass_check
+    float_check = ({"rows": check.rows, "with_ms": round(check.with_s * 1e3, 3),
+                    "without_ms": round(check.without_s * 1e3, 3)}
+                   if isinstance(check, WholePassCheck) else None)
     kernel = None if lm.int8_head is None else "rows" if lm.int8_head.blocked else "aten"
     return {"min_rows": lm.min_rows, "probe_ms": probed, "dense_ms": dense_ms,
             "dense_rows": sorted(lm.dense_rows), "int8_ms": int8_ms,
             "int8_rows": sorted(lm.int8_rows), "int8_kernel": kernel, "float_ms": float_ms,
-            "float_rows": sorted(lm.float_rows)}
+            "float_rows": sorted(lm.float_rows), "float_check": float_check}
 
 
 def run_row_padding(lms: Sequence[LayeredLM]) -> dict[str, dict[str, object]]:
