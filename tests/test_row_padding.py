@@ -285,3 +285,5 @@ def test_the_float_kernel_is_not_used_where_a_whole_pass_runs_slower_with_it(mon
     assert info["float_rows"] == [] and info["float_ms"]["1"] == 500.0
     assert info["float_check"] == {"rows": 1, "with_ms": 233.0, "without_ms": 191.0}
     assert row_prices(lm).seconds == {1: 0.7, 2: 1.0, 4: 1.2, 8: 1.5}
+    apply_min_rows(lm, None)  # a second pipeline on the same model: the verdict holds
+    assert lm.float_rows == frozenset() and lm.int8_rows == frozenset({1})

@@ -332,10 +332,15 @@ def choose_row_kernels(lm: NativeLM, probe: RowProbe, min_rows: int) -> None:
     ``min_rows``: dense copies, then the float rows kernel, then int8 copies (each against
     what runs there after the ones before it); logged.  The float rows kernel is then
     checked on a whole pass (``specflow.whole_pass.check_float_rows``, once the model can
-    run one: ``settle_float_rows``)."""
+    run one: ``settle_float_rows``); a model whose check dropped it (a process that builds
+    several pipelines on one model) does not get it back."""
     use_dense_rows(lm, choose_dense_rows(probe, min_rows))
     if lm.float_rows_layers:
-        use_float_rows(lm, choose_float_rows(probe, min_rows, lm.dense_rows))
+        chosen = choose_float_rows(probe, min_rows, lm.dense_rows)
+        check = lm.whole_pass_check
+        if isinstance(check, WholePassCheck) and not check.keeps:
+            chosen = frozenset()
+        use_float_rows(lm, chosen)
     if lm.int8_layers:
         use_int8_rows(lm, choose_int8_rows(probe, min_rows, lm.dense_rows,
                                            float_rows=lm.float_rows))
