@@ -67,11 +67,8 @@ def check_float_rows(models: Iterable[object]) -> None:
     kernel and has not been checked: time a whole pass at the fewest of them with and
     without it (``time_whole_passes``) and keep the kernel only where the pass is faster
     with it (``settle_float_rows``).  Other models are left alone."""
-    seen: set[int] = set()
-    for lm in models:
-        if (not isinstance(lm, NativeLM) or id(lm) in seen or not lm.float_rows
-                or lm.whole_pass_check is not None):
+    for lm in models:  # a model named twice is checked once: the check is kept on it
+        if not isinstance(lm, NativeLM) or not lm.float_rows or lm.whole_pass_check is not None:
             continue
-        seen.add(id(lm))
         check = time_whole_passes(lm, lm.float_rows, min(lm.float_rows), lm.min_rows)
         settle_float_rows(lm, check)

@@ -309,9 +309,9 @@ class WholePassCheck:
 
 def settle_float_rows(lm: NativeLM, check: WholePassCheck) -> None:
     """Keep ``lm``'s float rows kernel if ``check`` says a whole pass is faster with it, else
-    run those counts as they would run without it, and choose the int8 copies' counts again
-    against that; ``check`` is kept in ``lm.whole_pass_check`` (the run's summary) and
-    logged."""
+    choose its kernels again without it (``choose_row_kernels`` keeps the verdict: the int8
+    copies' counts are then chosen against what runs there instead); ``check`` is kept in
+    ``lm.whole_pass_check`` (the run's summary) and logged."""
     lm.whole_pass_check = check
     chosen = sorted(lm.float_rows)
     log.info("%s: a whole %d-row pass took %.2f ms with the float rows kernel and %.2f ms "
@@ -321,10 +321,11 @@ def settle_float_rows(lm: NativeLM, check: WholePassCheck) -> None:
              else f"the kernel is not used (the matmul probe had chosen it at {chosen} rows)")
     if check.keeps:
         return
-    lm.set_float_rows(frozenset())
     probe = lm.row_probe
-    if lm.int8_layers and isinstance(probe, RowProbe):
-        use_int8_rows(lm, choose_int8_rows(probe, lm.min_rows, lm.dense_rows))
+    if isinstance(probe, RowProbe):
+        choose_row_kernels(lm, probe, lm.min_rows)
+    else:  # counts set by hand, no probe to choose from
+        lm.set_float_rows(frozenset())
 
 
 def choose_row_kernels(lm: NativeLM, probe: RowProbe, min_rows: int) -> None:
