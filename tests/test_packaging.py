@@ -38,6 +38,7 @@ def test_dependencies_are_the_requirements(project: dict) -> None:
     ) | _pins(ROOT / "requirements-cluster.txt")
     assert set(extras["cluster"]) == _pins(ROOT / "requirements-cluster.txt")
     assert set(extras["train"]) == _pins(ROOT / "train_heads" / "requirements.txt")
+    assert set(extras["llamacpp"]) == _pins(ROOT / "requirements-llamacpp.txt")
     assert [d.split("==")[0] for d in extras["gpu"]] == ["flash-attn"]
     assert all("==" in d for group in [meta["dependencies"], *extras.values()] for d in group)
 
