@@ -92,12 +92,10 @@ BASELINE_ROWS = ["hf_plain", "hf_lookup", "llamacpp_plain", "llamacpp_lookup"]
 PRESETS: dict[str, tuple[str, list[str]]] = {  # name: (common overrides, methods)
     # the README's main pipelines on the 1.5B, twelve questions (the 0.5B drafts)
     "full": ("model=qwen2.5-coder-1.5b workload.per_category=2 runner.max_new_tokens=128",
-             [*MAIN, *BASELINE_ROWS]),
+             [*MAIN, *BASELINE_ROWS, "llamacpp_draft=+experiment=pld_sps"]),
     # the training-free ones on SmolLM2-135M (no draft model exists for it): a few minutes
     "quick": ("model=smollm2-135m workload.per_category=1 runner.max_new_tokens=64",
-              ["ar=+experiment=ar", "+experiment=default", "+experiment=suffix",
-               "+experiment=pld", "pld_adaptive=+experiment=pld draft_length=adaptive",
-               *BASELINE_ROWS]),
+              ["ar=+experiment=ar", "+experiment=default", "+experiment=pld", *BASELINE_ROWS]),
 }
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
@@ -404,9 +402,10 @@ def machine_table(rep: dict, common: list[str], wall_s: float) -> str:
     """The README's "Which pipeline" table for this machine: pipeline, command, × plain and
     × plain TPOT, on this CPU (model name and torch ISA), with the wall time."""
     cpu = machine_description()["cpu"]
+    last = {o.split("=")[0]: o for o in common}  # the later of two values of one key
     lines = [f"On this machine: {cpu['model']} (torch ISA {cpu['isa']}), "
              f"{machine_description()['torch_threads']} threads; every method with "
-             f"`{' '.join(common)}`; wall time {wall_s / 60:.1f} min", "",
+             f"`{' '.join(last.values())}`; wall time {wall_s / 60:.1f} min", "",
              "| pipeline | command | CPU (torch ISA) | × plain | × plain TPOT |",
              "|---|---|---|---|---|"]
     for name, m in rep["methods"].items():
@@ -430,6 +429,7 @@ def bench(args: argparse.Namespace) -> None:
     else:
         check_shared_models(methods)
         runs = prepare_methods(methods, out)
+        print(f"{len(runs)} methods ready in {time.perf_counter() - started:.0f} s", flush=True)
         run_interleaved(runs)
         records = {name: run.folder.records for name, run in runs.items()}
     rep = bench_report(records, methods)

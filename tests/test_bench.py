@@ -67,9 +67,9 @@ def test_each_default_method_composes_with_its_name_and_overrides(bench, preset:
         assert m.cfg.callbacks is None or not m.cfg.callbacks, m.name  # no per-request tables
         assert m.cfg.runner.baseline is False, m.name  # the reference is a method of its own
         assert m.baseline == (m.name if m.name in bench.BASELINES else None)
-        if not m.baseline:  # a config name: the experiment it composes
-            assert m.overrides[0] == "+experiment=" + m.name.split("_fixed")[0].split(
-                "_adaptive")[0] or m.name == "ar"
+        if not m.baseline:  # a config name: the experiment it composes (and a variant's)
+            assert m.overrides[0].startswith("+experiment=")
+            assert m.name.startswith(m.overrides[0].split("=")[1]), m.name
     for name in ("hf_plain", "hf_lookup", "llamacpp_plain", "llamacpp_lookup"):
         assert by_name[name].overrides == []
     if preset == "full":
@@ -84,7 +84,7 @@ def test_each_default_method_composes_with_its_name_and_overrides(bench, preset:
         assert by_name["pld_sps"].cfg.runner.max_new_tokens == 128
     else:
         assert by_name["default"].cfg.method == "suffix_recycle"  # the default job's pipeline
-        assert by_name["pld_adaptive"].cfg.draft_length._target_.endswith("AdaptiveDraftLength")
+        assert by_name["pld"].overrides == ["+experiment=pld"]
         assert by_name["default"].cfg.workload.per_category == 1  # common wins over the job's
 
 
