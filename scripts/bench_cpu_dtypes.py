@@ -40,7 +40,7 @@ CONFIGS = [("float32", True), ("float32", False), ("bfloat16", True), ("bfloat16
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from specflow.cpu import probe_cpu
+    from specflow.cpu.detect import probe_cpu
     from specflow.kv.session import ModelSession
     from specflow.models.loading import load_model
 

@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specflow.cache_root import configured_cache_root
-from specflow.cpu import check_cpu_weights, probe_cpu
+from specflow.cpu.detect import check_cpu_weights, probe_cpu
 from specflow.errors import ConfigError, SpecflowError
 from specflow.graph import build_pipeline, instantiate_checked
 from specflow.records import RunMeta, RunSummary
@@ -64,7 +64,7 @@ def model_configs(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]
 
 def check_models_fit_cpu(cfg: DictConfig) -> None:
     """Refuse, before any model loads, a model config this CPU cannot run as asked
-    (``specflow.cpu.check_cpu_weights``: packing it cannot do, bf16 it cannot run)."""
+    (``specflow.cpu.detect.check_cpu_weights``: packing it cannot do, bf16 it cannot run)."""
     for path, model in model_configs(cfg):
         check_cpu_weights(model["name"], path, model["dtype"], model.get("packed_weights"))
 
@@ -123,11 +123,11 @@ def prepare_run(cfg: DictConfig, out: Path) -> PreparedRun:
     runner = Runner(pipeline, target.tokenizer, settings, sampling, callbacks)
     config = OmegaConf.to_container(cfg, resolve=True)
     folder = RunFolder(out, resume=cfg.resume, fingerprint=results_fingerprint(config))
-    from specflow.models.row_padding import run_row_padding
+    from specflow.cpu.row_padding import run_row_padding
 
     models = [target.lm, *(use.lm for use in pipeline.uses())]
     if settings.device == "cpu":
-        from specflow.whole_pass import check_float_rows
+        from specflow.cpu.whole_pass import check_float_rows
 
         check_float_rows(models)  # the float rows kernel only where a whole pass gains
     meta = RunMeta(

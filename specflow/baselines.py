@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from specflow.cpu import probe_cpu
+from specflow.cpu.detect import probe_cpu
 from specflow.engine import SpeculativePipeline
 from specflow.sampling import SamplingParams
 
 
 def machine_description() -> dict[str, Any]:
     """What the numbers were measured on: the host, torch, and the CPU's capabilities as
-    probed once per process (``specflow.cpu.probe_cpu``: model, ISA level, AVX-512/BF16/AMX/
+    probed once per process (``specflow.cpu.detect.probe_cpu``: model, ISA level, AVX-512/BF16/AMX/
     VNNI, oneDNN and whether it runs bf16)."""
     return {
         "host": platform.node(),

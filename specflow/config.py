@@ -41,11 +41,11 @@ class ModelConfig:
         trust_remote_code: passed to transformers.
         exit_heads: trained exit heads: a path, or ``default`` (train_heads/); null: none.
         packed_weights: oneDNN-packed matrices (native backend): null = wherever this CPU's
-            oneDNN runs the dtype (specflow/cpu.py; unpacked otherwise, logged); false
+            oneDNN runs the dtype (specflow/cpu/detect.py; unpacked otherwise, logged); false
             saves the packed copy's memory (about the model's size) at the cost of slower
             multi-token matmuls.
         min_rows: packed matmuls of fewer rows (a decoding step: 1) run on this many, zero
-            rows appended (``specflow.models.row_padding``): 1 = never padded; null = the
+            rows appended (``specflow.cpu.row_padding``): 1 = never padded; null = the
             fastest row count, probed once per model on this CPU.
         quantize: ``int8``: weight-only int8 copies of the matrices too, multiplied at the
             row counts where the row probe finds them faster (a draft model's steps); the

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from specflow.catchup import catch_up
+from specflow.cpu.int8_weights import PREFIX_ALIGN
 from specflow.errors import ConfigError
 from specflow.kv.base import LayeredLM
 from specflow.kv.session import forward_exit_hidden
-from specflow.models.int8_weights import PREFIX_ALIGN
 from specflow.models.native import NativeLM
 from specflow.sampling import choose
 from specflow.state import DecodeState, Draft

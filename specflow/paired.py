@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from itertools import zip_longest
 from typing import Any
 
-from specflow.cpu import probe_cpu
+from specflow.cpu.detect import probe_cpu
 from specflow.records import RequestRecord, describe_parts, sum_parts
 
 

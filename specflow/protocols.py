@@ -20,9 +20,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from specflow.kv.base import KVSpec, LayerBatch, LayeredLM, ModelInfo
-from specflow.models.native import NativeLM
-from specflow.models.row_padding import RowPrices
+from specflow.costs import RowPrices
+from specflow.kv.base import KVSpec, LayerBatch, LayeredLM, ModelInfo, RowPaddedLM
 from specflow.state import Acceptance, DecodeState, Draft, RoundReport
 
 
@@ -155,7 +154,7 @@ class FeatureHeadRunner(Protocol):
     [R, V]``.  ``target``: the placed target (its device, row padding and row probe).
     """
 
-    target: NativeLM
+    target: RowPaddedLM
     ids: torch.Tensor
     layer_inputs: tuple[int, ...]
 
@@ -193,7 +192,7 @@ class TargetVerifier(Protocol):
     def row_prices(self, states: list[DecodeState]) -> RowPrices | None:
         """What a scoring pass over n rows of the model these requests' sessions run costs
         against a one-token step, as measured in this process
-        (``specflow.models.row_padding.RowPrices``), or ``None`` where it is not measured (a
+        (``specflow.costs.RowPrices``), or ``None`` where it is not measured (a
         draft-length policy then measures it from its rounds)."""
 
 

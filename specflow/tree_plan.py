@@ -15,7 +15,7 @@ path probability never exceeds its parent's, so every prefix of the order it ret
 valid tree (parents before children) and the best tree of its size for the estimates.
 
 ``plan_sizes`` then picks how many nodes each request of a batch verifies.  One verify
-pass over ``n`` rows costs ``price(n)`` one-token steps (``specflow.models.row_padding.
+pass over ``n`` rows costs ``price(n)`` one-token steps (``specflow.costs.
 RowPrices`` on a CPU: the target's packed matmuls timed per row count), and a request
 commits its accepted tokens plus one.  Over a batch of ``B`` drafting requests whose
 candidates are merged into one list by path probability (each request's own order kept),

@@ -91,8 +91,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specflow.costs import RowPrices
 from specflow.errors import ConfigError
-from specflow.models.row_padding import RowPrices
 from specflow.state import DecodeState, RequestLocal, RoundReport
 
 

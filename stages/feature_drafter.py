@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from specflow.cpu.row_padding import RowProbe, row_probe
 from specflow.errors import ConfigError, ModelNotFoundError
 from specflow.kv.base import ModelInfo
 from specflow.kv.contiguous import KVCache
@@ -67,7 +68,6 @@ from specflow.models.feature_head import default_feature_head_path, load_feature
 from specflow.models.native import NativeLM
 from specflow.models.published_heads import load_published_head
 from specflow.models.resolve import as_layered_lm
-from specflow.models.row_padding import RowProbe, row_probe
 from specflow.protocols import DraftPart, FeatureHeadRunner, ModelUse
 from specflow.sampling import choose
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
@@ -130,7 +130,7 @@ class TreeGain:
     ``gain = sum(a_tree + 1) / sum(a_chain + 1) >= 1``.  A round of ``r_t`` verify rows with
     trees instead of ``r_c`` with chains pays iff ``gain >= c(r_t) / c(r_c)``, ``c`` the
     probed seconds of the target's packed matmuls at that row count
-    (``specflow.models.row_padding.RowProbe``: the rows' share of a verify pass; the draft's
+    (``specflow.cpu.row_padding.RowProbe``: the rows' share of a verify pass; the draft's
     own extra head rows are not counted).  Until ``warmup`` trees were seen, and on every
     ``explore``-th undecided round after, trees are drafted to keep ``gain`` measured; a row
     count the probe did not time is not paid for (chains).

@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from specflow.catchup import catch_up
+from specflow.costs import RowPrices
+from specflow.cpu.row_padding import row_prices
 from specflow.models.resolve import as_layered_lm
-from specflow.models.row_padding import RowPrices, row_prices
 from specflow.protocols import ModelUse
 from specflow.state import DecodeState, Draft
 from specflow.verification import score_at_exit

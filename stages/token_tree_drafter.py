@@ -18,7 +18,7 @@ support; the recycled probability).  The tree grows best first by path probabili
 (``grow_tree``) to depth ``asked`` and at most ``max_nodes`` nodes, then the whole batch's
 trees are cut to the size that maximizes expected committed tokens per step-equivalent of
 the verify pass (``plan_sizes``), priced by the target's row probe on this machine
-(``specflow.models.row_padding.RowPrices``); where no probe ran (another device, an
+(``specflow.costs.RowPrices``); where no probe ran (another device, an
 unpacked model) a row costs ``row_cost`` of a step.  So the tree is as large as pays here
 and no larger: on a CPU whose verify pass of 9 rows costs 1.3 steps, a node must be kept
 with a probability of about 0.1 per extra row to be worth drafting.
@@ -47,12 +47,13 @@ from typing import Any
 
 import torch
 
+from specflow.costs import RowPrices
+from specflow.cpu.row_padding import row_prices, row_probe
 from specflow.errors import ConfigError
 from specflow.kept_tables import TargetKey, default_tables_dir, load_tables, save_tables
 from specflow.kv.base import LayeredLM, ModelInfo
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
-from specflow.models.row_padding import RowPrices, row_prices, row_probe
 from specflow.protocols import DraftPart, ModelUse
 from specflow.recycling import RecyclingTable
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal

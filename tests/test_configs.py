@@ -186,7 +186,7 @@ def test_model_values_come_from_conf_model_only():
 def test_model_min_rows_reaches_the_loaded_model(tiny_models, deep_tiny):
     """``model.min_rows`` sets the shared model's row padding when the stages resolve it; 0
     is refused with its name; the default (null) takes the probed row count."""
-    from specflow.models.row_padding import RowProbe
+    from specflow.cpu.row_padding import RowProbe
 
     lm = deep_tiny[1]
     try:

@@ -1,6 +1,6 @@
 """Every x86 CPU: the CPU probe, packing and dtypes chosen from it, never a crash.
 
-The fallback is tested on any machine two ways: by replacing ``specflow.cpu.probe_cpu``
+The fallback is tested on any machine two ways: by replacing ``specflow.cpu.detect.probe_cpu``
 with an "AVX2-only" or an "AVX-512-BF16" CPU (the decisions), and by running a child
 process under ``AVX2_ONLY_ENV`` (oneDNN, ATen and MKL capped at AVX2: an AVX-512 machine
 then behaves, and probes, exactly as an AVX2-only one, so the real fallback path runs).
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow import cpu
 from specflow.acceptance import StandardAcceptor
 from specflow.app import check_models_fit_cpu, model_configs
 from specflow.baselines import machine_description
-from specflow.cpu import AVX2_ONLY_ENV, CpuCapabilities, check_cpu_weights, resolve_dtype
+from specflow.cpu import detect as cpu
+from specflow.cpu.detect import AVX2_ONLY_ENV, CpuCapabilities, check_cpu_weights, resolve_dtype
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.models.native import NativeLM, packing_available
@@ -250,7 +250,7 @@ def test_experiments_fit_an_avx2_cpu_and_bf16_is_refused_before_loading(as_cpu, 
 # ---------------------------------------------------------------- the real AVX2 path
 _CHILD = """
 import json, torch
-from specflow import cpu
+from specflow.cpu import detect as cpu
 from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.models.native import NativeLM

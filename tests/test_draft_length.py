@@ -8,11 +8,12 @@ from collections import Counter
 import pytest
 
 from specflow.acceptance import StandardAcceptor
+from specflow.costs import RowPrices
+from specflow.cpu.row_padding import RowProbe
 from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.stores import KVLayout, KVStores
-from specflow.models.row_padding import RowPrices, RowProbe
 from specflow.protocols import DraftPart, ModelUse
 from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import DecodeState, Draft, PartStats, RoundReport

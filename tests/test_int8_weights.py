@@ -10,12 +10,8 @@ import torch.nn.functional as F
 
 from specflow.acceptance import StandardAcceptor
 from specflow.app import prepare_run
-from specflow.engine import SpeculativePipeline
-from specflow.errors import ConfigError
-from specflow.kv.stores import KVLayout
-from specflow.models.int8_weights import Int8Matrix, int8_linear, quantize_int8
-from specflow.models.native import NativeLM, linear
-from specflow.models.row_padding import (
+from specflow.cpu.int8_weights import Int8Matrix, int8_linear, quantize_int8
+from specflow.cpu.row_padding import (
     RowProbe,
     apply_min_rows,
     choose_int8_rows,
@@ -23,6 +19,10 @@ from specflow.models.row_padding import (
     row_padding_info,
     row_prices,
 )
+from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
+from specflow.kv.stores import KVLayout
+from specflow.models.native import NativeLM, linear
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest
 from stages.fallback_drafter import FallbackDrafter
@@ -132,7 +132,7 @@ def test_apply_min_rows_uses_int8_copies_at_one_row_or_where_probed(pair, monkey
     lm.make_int8_copies()
     apply_min_rows(lm, 2)  # given: no probe, one-row passes on the copies
     assert lm.min_rows == 2 and lm.int8_rows == frozenset({1})
-    monkeypatch.setattr("specflow.models.row_padding.probe_min_rows",
+    monkeypatch.setattr("specflow.cpu.row_padding.probe_min_rows",
                         lambda model: RowProbe({1: 1.0, 2: 1.0}, 1, {}, {}, {1: 0.5, 2: 1.2}))
     apply_min_rows(lm, None)
     assert lm.min_rows == 1 and lm.int8_rows == frozenset({1})

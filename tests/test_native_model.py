@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from specflow.cpu import probe_cpu
+from specflow.cpu.detect import probe_cpu
 from specflow.errors import ConfigError
 from specflow.kv import contiguous
 from specflow.kv.base import KVSpec

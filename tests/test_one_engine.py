@@ -13,9 +13,9 @@ import pytest
 from scipy.stats import chisquare
 
 from specflow.acceptance import StandardAcceptor
+from specflow.cpu.row_padding import RowProbe
 from specflow.engine import SpeculativePipeline
 from specflow.kv.stores import KVLayout
-from specflow.models.row_padding import RowProbe
 from specflow.protocols import DraftPart
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest, generate

@@ -54,6 +54,7 @@ def test_package_discovery_finds_every_package(project: dict) -> None:
     expected = {
         "specflow",
         "specflow.models",  # no __init__.py: needs namespaces = true
+        "specflow.cpu",
         "specflow.kv",
         "specflow.tasks",
         "specflow.data",
@@ -63,7 +64,8 @@ def test_package_discovery_finds_every_package(project: dict) -> None:
     }
     assert expected <= found, expected - found
     assert not {p for p in found if p.startswith(("tests", "train_heads.tests", "conf"))}
-    for path in ("specflow/data/specbench/question.dev.jsonl", "train_heads/conf/config.yaml"):
+    for path in ("specflow/data/specbench/question.dev.jsonl", "train_heads/conf/config.yaml",
+                 "specflow/cpu/kernels/rows_linear.cpp"):
         package, rest = path.split("/", 1)
         patterns = project["tool"]["setuptools"]["package-data"][package]
         root = ROOT / package

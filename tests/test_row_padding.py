@@ -7,11 +7,8 @@ import pytest
 import torch
 
 from specflow.acceptance import StandardAcceptor
-from specflow.engine import SpeculativePipeline
-from specflow.errors import ConfigError
-from specflow.models.native import NativeLM, linear, pack
-from specflow.models.row_padding import (
-    RowPrices,
+from specflow.costs import RowPrices
+from specflow.cpu.row_padding import (
     RowProbe,
     WholePassCheck,
     apply_min_rows,
@@ -24,6 +21,9 @@ from specflow.models.row_padding import (
     row_prices,
     settle_float_rows,
 )
+from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
+from specflow.models.native import NativeLM, linear, pack
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 from specflow.scheduler import generate
 from stages.full_verifier import FullVerifier
@@ -80,7 +80,7 @@ def test_apply_min_rows_sets_probes_once_and_refuses_bad_values(monkeypatch):
         calls.append(model)
         return RowProbe({1: 1.0, 3: 0.5}, 3)
 
-    monkeypatch.setattr("specflow.models.row_padding.probe_min_rows", fake_probe)
+    monkeypatch.setattr("specflow.cpu.row_padding.probe_min_rows", fake_probe)
     apply_min_rows(lm, None)
     apply_min_rows(lm, None)
     assert lm.min_rows == 3 and calls == [lm]  # probed once, then remembered
@@ -245,7 +245,7 @@ def test_apply_min_rows_runs_the_float_kernel_where_the_probe_chose_it(monkeypat
         pytest.skip("the float rows kernel does not run here")
     probe = RowProbe({1: 1.0, 2: 1.0, 4: 1.2}, 1, priced={8: 1.5},
                      float_rows={1: 0.5, 2: 0.9, 4: 1.4, 8: 2.0})
-    monkeypatch.setattr("specflow.models.row_padding.probe_min_rows", lambda model: probe)
+    monkeypatch.setattr("specflow.cpu.row_padding.probe_min_rows", lambda model: probe)
     apply_min_rows(lm, None)
     assert lm.float_rows == frozenset({1, 2}) and lm.min_rows == 1
     settle_float_rows(lm, WholePassCheck(1, 0.004, 0.005))  # faster with the kernel: kept
@@ -276,7 +276,7 @@ def test_the_float_kernel_is_not_used_where_a_whole_pass_runs_slower_with_it(mon
     probe = RowProbe({1: 1.0, 2: 1.0, 4: 1.2}, 1, priced={8: 1.5},
                      float_rows={1: 0.5, 2: 0.9, 4: 1.4, 8: 2.0},
                      int8={1: 0.7, 2: 1.2, 4: 1.5, 8: 2.0})
-    monkeypatch.setattr("specflow.models.row_padding.probe_min_rows", lambda model: probe)
+    monkeypatch.setattr("specflow.cpu.row_padding.probe_min_rows", lambda model: probe)
     apply_min_rows(lm, None)
     assert lm.float_rows == frozenset({1, 2}) and lm.int8_rows == frozenset()
     settle_float_rows(lm, WholePassCheck(1, 0.233, 0.191))

@@ -1,4 +1,4 @@
-"""The rows kernels (``specflow.models.rows_kernel``).  Int8: its blocked layout, exact sums,
+"""The rows kernels (``specflow.cpu.rows_kernel``).  Int8: its blocked layout, exact sums,
 rows that do not depend on each other, why it is refused, and both branches of the int8
 copies (the kernel's blocked layout where it runs, ATen's elsewhere) drafting HF's greedy
 tokens.  Float: exact sums into each part's columns, rows independent of each other and of
@@ -13,19 +13,19 @@ import pytest
 import torch
 
 from specflow.acceptance import StandardAcceptor
-from specflow.engine import SpeculativePipeline
-from specflow.models import rows_kernel
-from specflow.models.float_rows import StackedRows
-from specflow.models.int8_weights import int8_linear, quantize_int8
-from specflow.models.native import NativeLM, packing_available
-from specflow.models.row_padding import run_row_padding
-from specflow.models.rows_kernel import (
+from specflow.cpu import rows_kernel
+from specflow.cpu.float_rows import StackedRows
+from specflow.cpu.int8_weights import int8_linear, quantize_int8
+from specflow.cpu.row_padding import run_row_padding
+from specflow.cpu.rows_kernel import (
     KernelStatus,
     block_int8,
     kernel_status,
     rows_linear_f32,
     rows_linear_i8,
 )
+from specflow.engine import SpeculativePipeline
+from specflow.models.native import NativeLM, packing_available
 from stages.fallback_drafter import FallbackDrafter
 from stages.full_verifier import FullVerifier
 from stages.model_drafter import ModelDrafter

@@ -11,10 +11,10 @@ import torch
 from scipy.stats import chisquare
 
 from specflow.acceptance import StandardAcceptor
+from specflow.cpu.row_padding import RowProbe
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.stores import KVLayout
-from specflow.models.row_padding import RowProbe
 from specflow.recycling import RecyclingTable
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest, generate

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from specflow.acceptance import StandardAcceptor
+from specflow.cpu.int8_weights import quantize_int8
 from specflow.drafting import SubVocabHead, draft_with_model
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.session import ModelSession
 from specflow.kv.stores import KVStores
-from specflow.models.int8_weights import quantize_int8
 from specflow.models.native import NativeLM
 from specflow.models.tiny import tiny_model_info
 from specflow.scheduler import generate

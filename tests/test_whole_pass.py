@@ -1,14 +1,14 @@
-"""The whole-pass check of the float rows kernel (specflow/whole_pass.py)."""
+"""The whole-pass check of the float rows kernel (specflow/cpu/whole_pass.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specflow.cpu.row_padding import WholePassCheck
+from specflow.cpu.whole_pass import check_float_rows, time_whole_passes
 from specflow.models.native import NativeLM
-from specflow.models.row_padding import WholePassCheck
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
-from specflow.whole_pass import check_float_rows, time_whole_passes
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="this torch has no oneDNN (nothing is packed)")
@@ -49,7 +49,7 @@ def test_check_float_rows_checks_each_model_on_the_kernel_once(monkeypatch):
         timed.append((model.info.name, float_rows, rows, min_rows))
         return WholePassCheck(rows, 0.2, 0.1)
 
-    monkeypatch.setattr("specflow.whole_pass.time_whole_passes", fake)
+    monkeypatch.setattr("specflow.cpu.whole_pass.time_whole_passes", fake)
     check_float_rows([lm, idle, lm, "not a model"])
     assert timed == [("tiny-whole-pass-once", frozenset({2, 4}), 2, 3)]
     assert lm.float_rows == frozenset() and lm.whole_pass_check == WholePassCheck(2, 0.2, 0.1)

@@ -35,7 +35,7 @@ def resolve_precision(precision: Any, accelerator: str) -> Any:
     cuda = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
     if cuda:
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
-    from specflow.cpu import probe_cpu
+    from specflow.cpu.detect import probe_cpu
 
     return "bf16-mixed" if probe_cpu().native_bf16 else "32-true"
 

@@ -178,6 +178,9 @@ class KVSpec:
     head_dim: int
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
+    # Non-empty: the model needs attention whose bits do not depend on the rows beside a
+    # row, which the paged layout's padded batches do not give; the message names the fix.
+    why_not_paged: str = ""
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,16 @@ class LayeredLM(Protocol):
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LayeredLM:
         """This model on ``device`` / ``dtype`` (itself when nothing changes)."""
+
+
+class RowPaddedLM(LayeredLM, Protocol):
+    """A ``LayeredLM`` that runs a pass of few rows on at least ``min_rows`` rows (its row
+    padding, ``model.min_rows``) and keeps what its row probe measured (``row_probe``:
+    ``specflow.cpu.row_padding.RowProbe`` once probed, else ``None``): the native model.  A
+    feature head placed beside its target reads both to price a tree against chains."""
+
+    min_rows: int
+    row_probe: object | None
 
 
 # ---------------------------------------------------------------------------- static path

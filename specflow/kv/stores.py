@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specflow.cpu import DTYPE_NAMES
+from specflow.cpu.detect import DTYPE_NAMES
 from specflow.errors import ConfigError
 from specflow.kv.base import LayeredLM
 from specflow.kv.kernels import FLASH_BLOCK_MULTIPLE, select_backend

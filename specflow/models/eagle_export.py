@@ -22,10 +22,9 @@ import torch
 from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
 from specflow.models.checkpoint_files import Checkpoint
-from specflow.models.eagle_head import TARGET_KEY, EagleHead, eagle_head_from
+from specflow.models.eagle_head import TARGET_KEY, EagleDraftModel, EagleHead, eagle_head_from
 from specflow.models.feature_head import FeatureDraftModel, FeatureHead
 from specflow.models.native import NativeLM
-from specflow.protocols import FeatureHeadRunner
 
 
 def eagle_tensors(head: FeatureHead, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -89,9 +88,11 @@ def as_eagle_head(head: FeatureHead, info: ModelInfo) -> EagleHead:
     return eagle_head_from(ckpt, info)
 
 
-def place_feature_head(head: FeatureHead, target: NativeLM) -> FeatureHeadRunner:
+def place_feature_head(head: FeatureHead, target: NativeLM
+                       ) -> FeatureDraftModel | EagleDraftModel:
     """``head`` ready to draft beside the placed ``target``: a ``FeatureDraftModel``, or for
-    an ``eagle``-style head an ``EagleDraftModel`` (both ``FeatureHeadRunner``)."""
+    an ``eagle``-style head an ``EagleDraftModel`` (both a ``specflow.protocols.
+    FeatureHeadRunner``, the role a feature drafter runs them in)."""
     if head.eagle:
         return as_eagle_head(head, target.info).place(target)
     return FeatureDraftModel(head, target)

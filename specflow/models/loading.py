@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from specflow.cpu import check_cpu_weights, resolve_dtype
+from specflow.cpu.int8_weights import QUANTIZE_CHOICES
 from specflow.errors import ConfigError, ModelNotFoundError
 from specflow.kv.base import LayeredLM, ModelInfo, check_same_tokenizer  # noqa: F401 (re-export)
-from specflow.models.int8_weights import QUANTIZE_CHOICES
 from specflow.models.registry import REGISTRY
 
 log = logging.getLogger(__name__)

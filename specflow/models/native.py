@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specflow import cpu
+from specflow.cpu import detect as cpu
+from specflow.cpu import rows_kernel
+from specflow.cpu.float_rows import StackedRows, stackable, stacked_linear
+from specflow.cpu.int8_weights import Int8Matrix, int8_linear, quantize_int8
 from specflow.errors import ConfigError
 from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, ModelInfo
-from specflow.models import rows_kernel
-from specflow.models.float_rows import StackedRows, stackable, stacked_linear
-from specflow.models.int8_weights import Int8Matrix, int8_linear, quantize_int8
 
 log = logging.getLogger("specflow")
 

@@ -35,7 +35,7 @@ def as_layered_lm(spec: Any) -> LayeredLM:
         lm = load_model(name, **kwargs).lm
         if heads:
             attach_exit_heads(lm, name, heads)
-        from specflow.models.row_padding import apply_min_rows
+        from specflow.cpu.row_padding import apply_min_rows
 
         apply_min_rows(lm, min_rows)
         return lm

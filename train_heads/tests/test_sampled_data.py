@@ -95,7 +95,7 @@ def test_specbench_samples_add_drawn_answers_in_their_own_chunks(tmp_path: Path)
 
 
 def test_precision_auto_follows_the_cpus_bf16(monkeypatch):
-    import specflow.cpu as cpu
+    from specflow.cpu import detect as cpu
     from train_heads.job_setup import resolve_precision
 
     assert resolve_precision("32-true", "cpu") == "32-true"

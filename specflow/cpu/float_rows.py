@@ -2,7 +2,7 @@
 
 A packed fp32 model (``specflow.models.native``) multiplies oneDNN-packed copies of its
 matrices; the HF model keeps its own row-major tensors beside them.  The float rows kernel
-(``specflow.models.rows_kernel.rows_linear_f32``) multiplies a few rows by those very
+(``specflow.cpu.rows_kernel.rows_linear_f32``) multiplies a few rows by those very
 tensors, faster than oneDNN's packed kernels at 1 to about 6 rows on the CPUs measured
 (``docs/performance.md``), so a model's decoding steps and short verification passes run on
 them at the row counts where the row probe finds them faster (``row_padding``), and every
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specflow.models import rows_kernel
+from specflow.cpu import rows_kernel
 
 
 @dataclass(frozen=True)

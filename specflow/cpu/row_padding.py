@@ -9,9 +9,9 @@ may not be, so the row count is never assumed: ``model.min_rows`` gives it, or `
 probes it once per model and process on the model's own packed matrices
 (``probe_min_rows``), and keeps 1 unless a row count is faster by more than ``MARGIN``.
 
-The same probe prices a verification pass (``RowPrices``): it also times ``PRICED`` row counts
-(never chosen as padding), so a draft-length policy knows what k + 1 verify rows cost against
-a one-token step without fitting that from noisy round times.
+The same probe prices a verification pass (``RowPrices``, ``specflow.costs``): it also times
+``PRICED`` row counts (never chosen as padding), so a draft-length policy knows what k + 1
+verify rows cost against a one-token step without fitting that from noisy round times.
 
 It also times the same matrices unpacked (ordinary ``F.linear``) at every count: on some
 CPUs the dense kernel beats the packed one at a few row counts (an Intel CPU ran the 0.5B's
@@ -21,12 +21,12 @@ counts with dense copies of its matrices (``use_dense_rows``: logged; the copies
 layers' memory once more, so they are made only where a count wins).
 
 A model with int8 copies of its weights (``model.quantize=int8``,
-``specflow.models.int8_weights``) has them timed too, at every count: its passes of the counts
+``specflow.cpu.int8_weights``) has them timed too, at every count: its passes of the counts
 where they beat the model's own matrices (packed as padded, or dense where dense runs) by more
 than ``MARGIN`` multiply the int8 copies (``use_int8_rows``, logged) -- a small model's
 drafting steps, measured 1.8x faster at one row on an AVX2-capped AMD EPYC, not its prefill.
 
-A packed fp32 model whose CPU runs the float rows kernel (``specflow.models.float_rows``:
+A packed fp32 model whose CPU runs the float rows kernel (``specflow.cpu.float_rows``:
 its own row-major HF matrices, no copy) has that kernel timed too, at the counts one call
 takes (1 to ``rows_kernel.MAX_ROWS_F32``): its passes of the counts where it beats the packed
 (or dense) ones by more than ``MARGIN`` run on it (``use_float_rows``, logged).  Measured on
@@ -42,7 +42,7 @@ at AVX-512 the float rows kernel's 1-row matmuls timed level with oneDNN's padde
 chose is timed with and without it, a few interleaved passes after a 32-token prefill, and
 the kernel is kept only where that pass is faster with it (``WholePassCheck``,
 ``settle_float_rows``; logged and in the run's summary).  A pass needs keys and values,
-which ``models/`` does not touch, so ``specflow.whole_pass`` times it once the models are
+which ``models/`` does not touch, so ``specflow.cpu.whole_pass`` times it once the models are
 loaded (``specflow.app`` and the benchmarks call ``check_float_rows``).
 
 Padding appends zero rows to the input of each packed multiply and drops their outputs
@@ -61,10 +61,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specflow.costs import RowPrices
+from specflow.cpu.rows_kernel import MAX_ROWS_F32
 from specflow.errors import ConfigError
 from specflow.kv.base import LayeredLM
 from specflow.models.native import MATRICES, NativeLM, dense, linear
-from specflow.models.rows_kernel import MAX_ROWS_F32
 
 log = logging.getLogger(__name__)
 
@@ -146,69 +147,6 @@ def choose_int8_rows(probe: RowProbe, min_rows: int, dense_rows: frozenset[int],
         if own_s is not None and int8_s < (1.0 - margin) * own_s:
             out.add(rows)
     return frozenset(out)
-
-
-@dataclass(frozen=True)
-class RowPrices:
-    """What one target pass over n rows costs relative to a one-token decoding step, as the
-    row probe measured it on the model's own packed matmuls (``row_prices``).
-
-    With row padding m (``model.min_rows``) a pass of n rows multiplies max(n, m) rows, and a
-    decoding step m, so
-
-        price(n) = S(max(n, m)) / S(max(1, m))
-
-    where S(r) is the probe's median seconds at r rows: measured where r was timed, linear
-    between two timed counts, and beyond the largest one continued along the line through
-    the two largest (never downwards).  A pass of more rows is never priced below one of
-    fewer: S is taken as its running maximum from the step's row count up, so the probe's
-    noise (or a kernel that runs 3 rows faster than 2) never makes a longer draft look
-    cheaper than a shorter one.  It prices the matmuls, which are most of a CPU pass; the
-    rest (norms, RoPE, attention, the ops' dispatch) is measured as a whole pass only.  On
-    the Qwen2.5-1.5B (AVX2-capped EPYC) a pass's true price rose a little slower than this
-    (a round of 4.09 rows: 1.11 steps, the probe about 1.14); on SmolLM2-135M, where that rest is
-    about a quarter of a step, faster (4.21 rows: 1.24, the probe about 1.15).  Invariants:
-    price(1) = 1, price(n) >= 1, price non-decreasing in n.
-
-    Attributes:
-        seconds: the probe's median seconds by row count (at least two counts, 1 included,
-            every one > 0).
-        min_rows: the model's row padding in effect (>= 1).
-    """
-
-    seconds: dict[int, float]
-    min_rows: int
-
-    def __post_init__(self) -> None:
-        if len(self.seconds) < 2 or 1 not in self.seconds:
-            raise ValueError("RowPrices needs the probe's seconds at 1 row and one more count")
-        if min(self.seconds.values()) <= 0 or self.min_rows < 1:
-            raise ValueError(f"RowPrices needs seconds > 0 and min_rows >= 1, got "
-                             f"{self.seconds} and {self.min_rows}")
-
-    def _seconds_at(self, rows: float) -> float:
-        """S(rows) before the running maximum: measured, interpolated or extrapolated."""
-        counts = sorted(self.seconds)
-        if rows in self.seconds:
-            return self.seconds[int(rows)]
-        below = [c for c in counts if c < rows]
-        above = [c for c in counts if c > rows]
-        if not above:  # beyond the largest count: the line through the two largest, rising
-            lo, hi = counts[-2], counts[-1]
-            slope = max(0.0, (self.seconds[hi] - self.seconds[lo]) / (hi - lo))
-            return self.seconds[hi] + slope * (rows - hi)
-        lo, hi = below[-1], above[0]  # 1 is a count, so a row count >= 1 has one below
-        return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo)
-
-    def __call__(self, rows: float) -> float:
-        """The price of a pass over ``rows`` (>= 1; a mean over rounds may be fractional)
-        rows, a one-token step being 1."""
-        base_rows = float(self.min_rows)
-        base = self._seconds_at(base_rows)
-        top = max(float(rows), base_rows)
-        # the running maximum of S over [base_rows, top]: its timed counts and both ends
-        points = [top] + [float(c) for c in self.seconds if base_rows < c < top]
-        return max(1.0, max(self._seconds_at(r) for r in points) / base)
 
 
 def choose_min_rows(seconds: Mapping[int, float], margin: float = MARGIN) -> int:
@@ -295,7 +233,7 @@ class WholePassCheck:
     """Median seconds of a whole pass of ``rows`` rows (the model's layers and LM head, as a
     decoding step or a verification runs them) with the float rows kernel at the row counts
     the matmul probe chose for it (``with_s``) and with what runs there otherwise
-    (``without_s``), timed by ``specflow.whole_pass``.  The kernel is kept only where the
+    (``without_s``), timed by ``specflow.cpu.whole_pass``.  The kernel is kept only where the
     pass is faster with it (``keeps``)."""
 
     rows: int
@@ -332,7 +270,7 @@ def choose_row_kernels(lm: NativeLM, probe: RowProbe, min_rows: int) -> None:
     """Give ``lm`` the kernels the probe found fastest per row count at row padding
     ``min_rows``: dense copies, then the float rows kernel, then int8 copies (each against
     what runs there after the ones before it); logged.  The float rows kernel is then
-    checked on a whole pass (``specflow.whole_pass.check_float_rows``, once the model can
+    checked on a whole pass (``specflow.cpu.whole_pass.check_float_rows``, once the model can
     run one: ``settle_float_rows``); a model whose check dropped it (a process that builds
     several pipelines on one model) does not get it back."""
     use_dense_rows(lm, choose_dense_rows(probe, min_rows))
@@ -428,7 +366,7 @@ def row_padding_info(lm: object) -> dict[str, object]:
     """What a run's summary records of a model's row padding (``RunMeta.row_padding``):
     ``min_rows`` and, when it was probed, the probe's milliseconds by row count; with int8
     copies (``model.quantize=int8``) the kernel that multiplies them, ``int8_kernel``:
-    ``rows`` (``specflow.models.rows_kernel``) or ``aten`` (``None`` without copies); the
+    ``rows`` (``specflow.cpu.rows_kernel``) or ``aten`` (``None`` without copies); the
     float rows kernel's milliseconds and row counts (``float_ms``, ``float_rows``) and the
     whole-pass check that kept or dropped it (``float_check``: ``WholePassCheck`` in ms;
     ``None`` where none ran)."""

@@ -1,7 +1,7 @@
 """Whole passes of a loaded model timed on its own session: the check that keeps the float
 rows kernel only where a whole pass runs faster with it.
 
-The row probe (``specflow.models.row_padding``) chooses a kernel per row count from the
+The row probe (``specflow.cpu.row_padding``) chooses a kernel per row count from the
 matrices' times alone.  At AVX-512 on a 2-vCPU AMD EPYC those put the float rows kernel level
 with oneDNN at one row while a whole decoding pass of the Qwen2.5-1.5B ran 22 % slower with it
 (docs/performance.md, "A whole pass decides").  A pass needs keys and values, which
@@ -18,9 +18,9 @@ from collections.abc import Iterable
 
 import torch
 
+from specflow.cpu.row_padding import WholePassCheck, settle_float_rows
 from specflow.kv.session import ModelSession
 from specflow.models.native import NativeLM
-from specflow.models.row_padding import WholePassCheck, settle_float_rows
 
 CONTEXT = 32  # positions cached before the timed passes
 REPEATS = 4  # timed passes of each setting, after one untimed pair

@@ -25,14 +25,14 @@ A row's result is again the same whatever the other rows or the threads.  Measur
 same CPU capped at AVX2, four layers of the Qwen2.5-1.5B's shapes (750 MB of fp32 weights,
 ms; ``docs/performance.md``): 1 row 25.8 against oneDNN's packed 30.5, 4 rows 26.9 against
 37.8, 6 rows 30.5 against 38.8; from about 9 rows the two are level, and the row
-probe (``specflow.models.row_padding``) picks per row count.
+probe (``specflow.cpu.row_padding``) picks per row count.
 
 It is C++ built once per machine by the system compiler (``c++``/``g++``, flags ``FLAGS``)
 into ``<cache root>/kernels/`` (the file named by a hash of the source and flags) and loaded
 with ``ctypes``.  ``kernel_status()`` says whether it is usable and, if not, why: it needs an
 x86-64 CPU with AVX2 and FMA (``/proc/cpuinfo``), a compiler, a successful build, and
 ``SPECFLOW_ROWS_KERNEL`` not ``0``.  Where it is not, int8 copies keep ATen's layout and
-kernel (``specflow.models.int8_weights``): one INFO line says why.
+kernel (``specflow.cpu.int8_weights``): one INFO line says why.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specflow import cpu
 from specflow.cache_root import cache_root
+from specflow.cpu import detect as cpu
 
 log = logging.getLogger("specflow")
 

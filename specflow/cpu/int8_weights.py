@@ -13,7 +13,7 @@ the last bits and, rarely, in an argmax: an int8 model is a *draft* model (its t
 verified by the target, whose outputs stay exact); the target itself is refused
 (``specflow.app``).  Several rows cost more than one (the kernel is a matrix-vector one), so
 the model uses the copies only at the row counts where the row probe finds them faster
-(``specflow.models.row_padding``); a prefill keeps the model's own weights.
+(``specflow.cpu.row_padding``); a prefill keeps the model's own weights.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specflow.models import rows_kernel
+from specflow.cpu import rows_kernel
 
 QUANTIZE_CHOICES = ("int8",)
 PREFIX_ALIGN = rows_kernel.BLOCK  # a prefix view (``Int8Matrix.prefix``): whole blocks of rows
