@@ -416,6 +416,6 @@ def tree_visible(
 def paged_pool(lm: LayeredLM, num_blocks: int, block_size: int, attention: str) -> PagedKVCache:
     """A paged pool for ``lm``'s layers (``ConfigError`` if the model keeps its own cache)."""
     spec = lm.kv
-    if isinstance(spec, SelfManagedKV):
+    if isinstance(spec, SelfManagedKV) or spec.why_not_paged:
         raise ConfigError(spec.why_not_paged)
     return PagedKVCache(spec, num_blocks=num_blocks, block_size=block_size, attention=attention)

@@ -22,8 +22,9 @@ import json
 import logging
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -37,6 +38,9 @@ from specflow.models.registry import REGISTRY
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "native", "hf")
+# float: the weights as float tensors (a GGUF dequantized); gguf: a GGUF file's quantized
+# blocks as published, multiplied by the quantized rows kernel (specflow.quant)
+WEIGHTS = ("float", "gguf")
 
 
 @dataclass
@@ -49,7 +53,7 @@ class LoadedModel:
     info: ModelInfo
 
 
-_MODELS: dict[tuple[str, str, str, bool | None], LoadedModel] = {}
+_MODELS: dict[tuple, LoadedModel] = {}
 _TOKENIZER_FPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -267,6 +271,7 @@ def load_model(
     packed_weights: bool | None,
     cache_dir: str | Path | None = None,
     quantize: str | None = None,
+    weights: str = "float",
 ) -> LoadedModel:
     """Load a model as a ``LoadedModel`` (cached in-process by name, dtype, backend, packing
     and quantization).
@@ -295,6 +300,11 @@ def load_model(
             matrices (``specflow.models.int8_weights``), used at the row counts where the row
             probe finds them faster (``specflow.models.row_padding``); its outputs then
             differ slightly from the model's own: for draft models.  ``None``: none.
+        weights: ``float``: the weights as float tensors of ``dtype`` (a GGUF file is
+            dequantized).  ``gguf``: a GGUF file's quantized blocks as published, kept in
+            memory as they are and multiplied by the quantized rows kernel
+            (``specflow.models.gguf_native``): the native backend in float32 on a CPU, no
+            HF module (``LoadedModel.hf_model`` is ``None``).
 
     Raises:
         ModelNotFoundError: the value resolves to nothing loadable (the message lists the
@@ -303,6 +313,10 @@ def load_model(
             ``packed_weights=True`` that this CPU cannot pack, an unknown ``quantize``, or
             one on a model the native backend does not run.
     """
+    if weights not in WEIGHTS:
+        raise ConfigError(f"model.weights={weights!r} is unknown; use one of {', '.join(WEIGHTS)}")
+    if weights == "gguf":
+        return _load_gguf_model(name_or_path, dtype, backend, packed_weights, quantize, cache_dir)
     torch_dtype = resolve_dtype(dtype)  # a clear error for an unknown name
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ConfigError(f"model.quantize={quantize!r} is unknown; use one of "
@@ -335,3 +349,85 @@ def load_model(
     loaded = LoadedModel(lm=lm, tokenizer=tokenizer, hf_model=hf_model, info=info)
     _MODELS[key] = loaded
     return loaded
+
+
+def _load_gguf_model(name_or_path: str, dtype: str, backend: str, packed_weights: bool | None,
+                     quantize: str | None, cache_dir: str | Path | None) -> LoadedModel:
+    """``load_model(..., weights="gguf")``: the settings checked, then the GGUF file's
+    quantized ``NativeLM`` with the model's tokenizer and config (cached in-process)."""
+    fixes = {
+        "dtype": (dtype in ("float32", "auto"), f"model.dtype={dtype}", "model.dtype=float32"),
+        "backend": (backend in ("auto", "native"), f"model.backend={backend}",
+                    "model.backend=auto"),
+        "quantize": (quantize is None, f"model.quantize={quantize}", "model.quantize=null"),
+        "packed": (not packed_weights, "model.packed_weights=true",
+                   "model.packed_weights=null"),
+    }
+    for ok, given, fix in fixes.values():
+        if not ok:
+            raise ConfigError(f"{name_or_path}: {given} does not go with model.weights=gguf "
+                              f"(the file's blocks, multiplied in float32 by the native "
+                              f"backend); set {fix}, or model.weights=float")
+    path = Path(name_or_path).expanduser()
+    name = name_or_path if name_or_path in REGISTRY or not path.exists() else str(path.resolve())
+    key = (name, "float32", "native", None, None, "gguf")
+    if key in _MODELS:
+        return _MODELS[key]
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from specflow.models.gguf_native import gguf_fingerprint, loaded_bytes, native_from_gguf
+
+    if name_or_path in REGISTRY:
+        from specflow.models.prepare import gguf_path, prepare_model
+
+        folder = prepare_model(name_or_path, cache_dir)  # config and tokenizer
+        gguf = gguf_path(name_or_path, cache_dir)
+        source: dict[str, Any] = {}
+    else:
+        gguf = _gguf_file(path, name_or_path)
+        folder, source = gguf.parent, {"gguf_file": gguf.name}
+    config = AutoConfig.from_pretrained(str(folder), **source)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), **source)
+    try:
+        generation = GenerationConfig.from_pretrained(str(folder), **source)
+    except OSError:
+        generation = None
+    cfg = config.get_text_config()
+    num_layers = int(cfg.num_hidden_layers)
+    shim = SimpleNamespace(generation_config=generation, config=cfg)
+    info = ModelInfo(
+        name=name_or_path,
+        num_layers=num_layers,
+        vocab_size=int(cfg.vocab_size),
+        hidden_size=int(cfg.hidden_size),
+        max_positions=int(getattr(cfg, "max_position_embeddings", 0) or 2048),
+        eos_token_ids=_eos_ids(shim, tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        weights_fingerprint=gguf_fingerprint(gguf),
+    )
+    lm = native_from_gguf(gguf, cfg, info)
+    if lm.embed_weight.shape[0] != info.vocab_size:
+        info = replace(info, vocab_size=int(lm.embed_weight.shape[0]))
+        lm.info = info
+    log.info("%s: the GGUF file's quantized weights (%s, %.2f GiB)", info.name, gguf,
+             loaded_bytes(lm) / 2**30)
+    loaded = LoadedModel(lm=lm, tokenizer=tokenizer, hf_model=None, info=info)
+    _MODELS[key] = loaded
+    return loaded
+
+
+def _gguf_file(path: Path, value: str) -> Path:
+    """The one .gguf file ``value`` names (the file, or a folder holding exactly one)."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if ggufs:
+            raise _not_found(value, f"the folder holds several .gguf files "
+                             f"({', '.join(p.name for p in ggufs)}); pass the path of one")
+        raise ConfigError(f"{value}: model.weights=gguf needs a GGUF file and the folder has "
+                          "none; set model.weights=float for a Hugging Face folder")
+    raise _not_found(value, "model.weights=gguf needs a registry name, a .gguf file or a "
+                     "folder holding one")

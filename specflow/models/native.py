@@ -42,6 +42,7 @@ from specflow.cpu.float_rows import StackedRows, stackable, stacked_linear
 from specflow.cpu.int8_weights import Int8Matrix, int8_linear, quantize_int8
 from specflow.errors import ConfigError
 from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, ModelInfo
+from specflow.quant.matrix import QuantMatrix, quant_linear
 
 log = logging.getLogger("specflow")
 
@@ -127,8 +128,9 @@ def supports(hf_config) -> tuple[bool, str]:
     return True, ""
 
 
-# a dense or packed tensor, an int8 copy, or a float32 model's own parts (float rows kernel)
-Matrix = torch.Tensor | Int8Matrix | StackedRows
+# a dense or packed tensor, an int8 copy, a float32 model's own parts (float rows kernel), or
+# GGUF blocks as published (the quantized rows kernel: specflow.quant)
+Matrix = torch.Tensor | Int8Matrix | StackedRows | QuantMatrix
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the _Layer fields that are matrices
 
 
@@ -168,8 +170,9 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None,
            min_rows: int = 1) -> torch.Tensor:
     """``x [N, in] @ weight.T + bias`` -> ``[N, out]``, with oneDNN when ``weight`` is packed,
-    with the int8 kernel when it is an ``Int8Matrix`` (``specflow.models.int8_weights``), with
-    the float rows kernel when it is a ``StackedRows`` (``specflow.models.float_rows``).
+    with the int8 kernel when it is an ``Int8Matrix`` (``specflow.cpu.int8_weights``), with
+    the float rows kernel when it is a ``StackedRows`` (``specflow.cpu.float_rows``), with the
+    quantized rows kernel when it is a ``QuantMatrix`` (``specflow.quant.matrix``).
 
     ``min_rows``: a packed multiply of fewer rows runs on ``min_rows`` rows (zero rows
     appended, their outputs dropped).  Each output row depends only on its own input row, so
@@ -177,6 +180,8 @@ def linear(x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None,
     kernels stream the weights faster at a few rows than at one
     (``specflow.models.row_padding``).
     """
+    if isinstance(weight, QuantMatrix):
+        return quant_linear(x, weight, bias)
     if isinstance(weight, Int8Matrix):
         return int8_linear(x, weight, bias)
     if isinstance(weight, StackedRows):
@@ -262,7 +267,11 @@ class NativeLM:
         self.lm_head = lm_head  # [V, H], dense (vocabulary subsets, exit-head training)
         # What ``head`` multiplies: ``lm_head`` itself, or its packed copy.
         self.head_weight = lm_head if head_weight is None else head_weight  # [V, H]
-        self.packed = layers[0].wqkv.is_mkldnn if layers else False
+        first = layers[0].wqkv if layers else None
+        self.packed = isinstance(first, torch.Tensor) and first.is_mkldnn
+        # GGUF blocks as published (``specflow.models.gguf_native``): one kernel at every row
+        # count, so none of the row-count choices below applies.
+        self.quantized = isinstance(first, QuantMatrix)
         # Packed multiplies of fewer rows run on this many (``linear``; model.min_rows,
         # ``specflow.models.row_padding``): 1 = as given.
         self.min_rows = 1
@@ -439,9 +448,12 @@ class NativeLM:
     @property
     def kv(self) -> KVSpec:
         """Keys/values per layer: ``num_kv_heads x head_dim`` in this model's dtype/device."""
-        return KVSpec(
-            self.info.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device
-        )
+        why = "" if not self.quantized else (
+            f"{self.info.name} runs GGUF-quantized weights, whose 8-bit activations can turn "
+            f"the last bits the paged layout's padded batches change in attention into another "
+            f"token: set runner.kv_layout=contiguous (or auto, contiguous on a CPU)")
+        return KVSpec(self.info.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
+                      self.device, why)
 
     def set_exit_heads(self, heads: dict[int, nn.Module], path: str | None = None,
                        adapters: dict[int, _Layer] | None = None) -> None:
@@ -469,6 +481,9 @@ class NativeLM:
         device = torch.device(device)
         if device.type == self.device.type and dtype == self.dtype:
             return self
+        if self.quantized:
+            raise ConfigError(f"{self.info.name}: GGUF-quantized weights run on the CPU in "
+                              f"float32 only, not {device.type}/{dtype}; use model.weights=float")
         key = (str(device), dtype)
         moved = self._placed.get(key)
         if moved is not None:
@@ -522,6 +537,8 @@ class NativeLM:
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``token_ids [T] -> h_0 [T, H]``."""
+        if isinstance(self.embed_weight, QuantMatrix):
+            return self.embed_weight.rows_of(token_ids)
         return F.embedding(token_ids.to(self.device), self.embed_weight)
 
     @torch.inference_mode()
@@ -653,6 +670,8 @@ class NativeLM:
         (``specflow.drafting.SubVocabHead``)."""
         if x.shape[0] in self.int8_rows and self.int8_head is not None:
             return int8_linear(x, self.int8_head.prefix(ids), None).float()  # [T, ids]
+        if isinstance(self.lm_head, QuantMatrix):
+            return quant_linear(x, self.lm_head.prefix(ids), None)  # [T, ids]
         return F.linear(x, self.lm_head[:ids]).float()  # [T, ids]
 
     @torch.no_grad()

@@ -211,7 +211,7 @@ def prepare_model(
     name: str,
     cache_dir: str | Path | None = None,
     progress: bool = True,
-    keep_gguf: bool = False,
+    keep_gguf: bool = True,
 ) -> Path:
     """Return the safetensors folder of registry model ``name``, preparing it if needed.
 
@@ -220,8 +220,9 @@ def prepare_model(
         cache_dir: the cache root; default ``specflow.cache_root.cache_root()`` (the run's
             ``runner.cache_dir``, ``$SPECFLOW_CACHE`` or ``~/.cache/specflow``).
         progress: show tqdm progress bars while copying/hashing.
-        keep_gguf: keep the assembled GGUF in ``<cache>/gguf/`` after conversion
-            (it is deleted by default to save disk; package files are never touched).
+        keep_gguf: keep the assembled GGUF in ``<cache>/gguf/`` after conversion (the
+            default: ``model.weights=gguf`` runs it as published); ``False`` deletes it to
+            save disk (package files are never touched).
 
     Raises:
         ModelNotFoundError: the packages are not installed (the message has the command).
@@ -239,6 +240,31 @@ def prepare_model(
             return out_dir
         _check_disk(entry, cache)
         return _prepare_locked(entry, cache, out_dir, progress, keep_gguf)
+
+
+def gguf_path(name: str, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """The verified GGUF file of registry model ``name`` (``model.weights=gguf``): the
+    package's own file, or the assembled one kept in ``<cache>/gguf/`` (assembled again,
+    and verified, when missing).  A kept file is verified once: a ``.sha256`` note beside
+    it records the hash with the file's size and mtime, and a file that still matches them
+    is not hashed again."""
+    entry = get_entry(name)
+    cache = cache_root(cache_dir)
+    parts = [] if entry.missing_modules() else entry.source.part_paths()
+    note = (cache / "gguf" / entry.gguf_file).with_suffix(".gguf.sha256")
+    candidate = parts[0] if len(parts) == 1 else cache / "gguf" / entry.gguf_file
+    if candidate.is_file():
+        stat = candidate.stat()
+        stamp = f"{entry.sha256} {stat.st_size} {stat.st_mtime_ns} {candidate}"
+        if note.is_file() and note.read_text() == stamp:
+            return candidate
+    check_installed(entry)
+    note.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(cache / "gguf" / entry.gguf_file):
+        path, _ = _obtain_gguf(entry, cache, progress)
+        stat = path.stat()
+        note.write_text(f"{entry.sha256} {stat.st_size} {stat.st_mtime_ns} {path}")
+    return path
 
 
 @contextlib.contextmanager
@@ -314,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="prepare every registry model")
     parser.add_argument("--cache-dir", default=None, help="default $SPECFLOW_CACHE or "
                         "~/.cache/specflow")
-    parser.add_argument("--keep-gguf", action="store_true",
-                        help="keep the assembled GGUF after conversion")
+    parser.add_argument("--drop-gguf", action="store_true",
+                        help="delete the assembled GGUF after conversion (model.weights=gguf "
+                             "assembles it again when asked)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--install", action="store_true",
                         help="pip-install the model packages first when they are missing")
@@ -334,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             install_packages(name)
         try:
             path = prepare_model(name, args.cache_dir, progress=not args.no_progress,
-                                 keep_gguf=args.keep_gguf)
+                                 keep_gguf=not args.drop_gguf)
         except ModelNotFoundError as e:
             log.error("%s: %s", name, e)
             failed.append(name)

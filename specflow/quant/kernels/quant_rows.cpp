@@ -1,0 +1,527 @@
+// Products of a few rows with a GGUF-quantized matrix kept in its published blocks:
+// y[M, N] = x[M, K] W^T, W [N, K] in one of ggml's block types (Q4_0, Q4_1, Q5_0, Q8_0,
+// Q4_K, Q6_K), read as it lies in the file (no copy, no float weights).
+//
+// The activations are quantized to 8 bits first (as llama.cpp's quantized dot products do):
+// per block of B = 256 values for the K-quants (Q4_K, Q6_K), B = 32 for the others,
+//
+//     dx = max|x| / 127,   x8 = round_half_even(x / dx)  in [-127, 127],
+//     bsum[j] = sum of x8 over the 16 values j*16 .. j*16+15 (int16).
+//
+// Each weight block is decoded once per call into unsigned codes c in natural order and its
+// integer or float scales, then multiplied into every row (the weights are read once for all
+// M rows: that is what makes a verification of a few rows cost little more than one):
+//
+//   K-quants (a super-block of 256 = 16 groups of 16, scales s_j, offsets o_j small ints):
+//     w = d * s_j * c - dmin * o_j       (Q4_K: s, o per 32; Q6_K: s_j, o_j = 32 s_j, dmin = d)
+//     lane[i] = sum over the 8 chunks of 32 of   sum_{e = 4i..4i+3} c_e x8_e s_{j(e)}   (int32)
+//     low[i]  = bsum[2i] o_{2i} + bsum[2i+1] o_{2i+1}                                  (int32)
+//     acc[i] = fma(float(lane[i]), d * dx, acc[i]);  acc[i] = fma(float(low[i]), -(dmin * dx), acc[i])
+//   32-blocks (a float scale d and offset a per block):
+//     w = d * c + a                      (Q4_0: a = -8d; Q4_1: a = m; Q5_0: a = -16d; Q8_0: c signed, a = 0)
+//     lane[i] = sum_{e = 4i..4i+3} c_e x8_e;   acc[i] = fma(float(lane[i]), d * dx, acc[i])
+//     off = fma(a * dx, float(bsum[0] + bsum[1]), off)
+//
+// and finally y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) + off.
+// Every integer sum is exact (no int16 saturation: |c| <= 63 or signed 8-bit with |x8| <= 127);
+// every float step is the fixed sequence above, so a row's result does not depend on the
+// other rows, their number, the block of rows a call takes or the thread split: the same
+// bits at 1 row (decoding) and at k+1 rows (verification).  The AVX2 build (-mavx2) and the
+// portable build compute these same integer lanes and the same float sequence: the same bits.
+//
+// Threads: OpenMP over output rows; loaded into a process that has loaded torch the library
+// binds to torch's libgomp, so it runs on the pool torch's operators use.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum GgmlType : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14,
+};
+
+constexpr int kRowsChunk = 16;
+#if defined(__AVX2__)
+constexpr bool kVectorRows = true;  // the rows take the scale vectors
+#else
+constexpr bool kVectorRows = false;
+#endif  // rows a pass over the weights takes at most
+
+inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      mant &= 0x3ff;
+      bits = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+struct TypeInfo {
+  int block;      // values a block
+  int bytes;      // bytes a block
+  bool k_quant;   // super-block of 256 with integer sub-scales
+  bool is_signed; // codes are signed (Q8_0)
+};
+
+bool type_info(int type, TypeInfo* info) {
+  switch (type) {
+    case kQ4_0: *info = {32, 18, false, false}; return true;
+    case kQ4_1: *info = {32, 20, false, false}; return true;
+    case kQ5_0: *info = {32, 22, false, false}; return true;
+    case kQ8_0: *info = {32, 34, false, true}; return true;
+    case kQ4_K: *info = {256, 144, true, false}; return true;
+    case kQ6_K: *info = {256, 210, true, false}; return true;
+    default: return false;
+  }
+}
+
+// ---------------------------------------------------------------- decoding a weight block
+// A decoded K-quant super-block: codes in natural order, sub-scales and offsets per 16.
+struct SuperBlock {
+  alignas(32) uint8_t c[256];
+  alignas(32) int16_t s[16];
+  alignas(32) int16_t o[16];
+#if defined(__AVX2__)
+  __m256i sv[8];  // chunk ch's int16 scales: s[2ch] in lanes 0..7, s[2ch+1] in lanes 8..15
+#endif
+  float d, dmin;
+};
+
+// The scale vectors of a decoded super-block (once per super-block, not per row).
+inline void make_scale_vectors(SuperBlock* sb) {
+#if defined(__AVX2__)
+  for (int ch = 0; ch < 8; ++ch) {
+    sb->sv[ch] = _mm256_set_m128i(_mm_set1_epi16(sb->s[2 * ch + 1]), _mm_set1_epi16(sb->s[2 * ch]));
+  }
+#else
+  (void)sb;
+#endif
+}
+
+// A decoded 32-block: codes (unsigned, or signed for Q8_0), scale and offset.
+struct Block32 {
+  alignas(32) uint8_t c[32];
+  float d, a;
+};
+
+// Q4_K's 12 bytes of 6-bit scales and mins -> sc[8], m[8] (ggml's packing: scales 0-3 and
+// mins 0-3 in the low 6 bits of bytes 0-3 and 4-7; scales and mins 4-7 split between the
+// nibbles of bytes 8-11 and the top 2 bits of bytes 0-7).
+inline void q4k_scales_mins(const uint8_t* q, uint8_t sc[8], uint8_t m[8]) {
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  const uint32_t s_lo = u[0] & k6, m_lo = u[1] & k6;
+  const uint32_t s_hi = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  const uint32_t m_hi = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+  std::memcpy(sc, &s_lo, 4);
+  std::memcpy(sc + 4, &s_hi, 4);
+  std::memcpy(m, &m_lo, 4);
+  std::memcpy(m + 4, &m_hi, 4);
+}
+
+// full: also the per-16 scales s[] (the portable rows and the dequantizer use them).
+void decode_q4_K(const uint8_t* b, SuperBlock* sb, bool full) {
+  sb->d = fp16_to_f32(load_u16(b));
+  sb->dmin = fp16_to_f32(load_u16(b + 2));
+  alignas(16) uint8_t sc[16], m[16];
+  q4k_scales_mins(b + 4, sc, m);
+#if defined(__AVX2__)
+  if (!full) {  // only what the rows take: the scale vectors and the offsets
+    for (int ch = 0; ch < 8; ++ch) sb->sv[ch] = _mm256_set1_epi16(sc[ch]);
+    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sb->o),
+                       _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)));
+  }
+#endif
+  if (full) {
+    for (int g = 0; g < 8; ++g) {
+      sb->s[2 * g] = sb->s[2 * g + 1] = sc[g];
+      sb->o[2 * g] = sb->o[2 * g + 1] = m[g];
+    }
+    make_scale_vectors(sb);
+  }
+  const uint8_t* qs = b + 16;
+#if defined(__AVX2__)
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sb->c + 64 * j), _mm256_and_si256(q, m4));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sb->c + 64 * j + 32),
+                       _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+  }
+#else
+  for (int j = 0; j < 4; ++j) {
+    for (int l = 0; l < 32; ++l) {
+      sb->c[64 * j + l] = qs[32 * j + l] & 0xF;
+      sb->c[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+    }
+  }
+#endif
+}
+
+void decode_q6_K(const uint8_t* b, SuperBlock* sb) {  // always full
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  sb->d = sb->dmin = fp16_to_f32(load_u16(b + 208));
+  for (int j = 0; j < 16; ++j) {
+    sb->s[j] = sc[j];
+    sb->o[j] = static_cast<int16_t>(32 * sc[j]);
+  }
+  make_scale_vectors(sb);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* l = ql + 64 * h;
+    const uint8_t* hb = qh + 32 * h;
+    uint8_t* c = sb->c + 128 * h;
+#if defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
+    const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 32));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hb));
+    auto high = [&](int shift) {  // ((qh >> shift) & 3) << 4, per byte
+      return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, shift), m2), 4);
+    };
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c),
+                       _mm256_or_si256(_mm256_and_si256(a, m4), high(0)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c + 32),
+                       _mm256_or_si256(_mm256_and_si256(a2, m4), high(2)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c + 64),
+                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), high(4)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c + 96),
+                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a2, 4), m4), high(6)));
+#else
+    for (int i = 0; i < 32; ++i) {
+      c[i] = (l[i] & 0xF) | (((hb[i] >> 0) & 3) << 4);
+      c[i + 32] = (l[i + 32] & 0xF) | (((hb[i] >> 2) & 3) << 4);
+      c[i + 64] = (l[i] >> 4) | (((hb[i] >> 4) & 3) << 4);
+      c[i + 96] = (l[i + 32] >> 4) | (((hb[i] >> 6) & 3) << 4);
+    }
+#endif
+  }
+}
+
+#if defined(__AVX2__)
+// 16 bytes of nibble pairs -> the 32 codes: low nibbles first, then high nibbles.
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+
+// 32 bits -> 32 bytes, 0x10 where bit e is set (Q5_0's fifth bits).
+inline __m256i fifth_bits32(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i probe = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // all bits but bit e % 8
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, probe), _mm256_set1_epi8(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+#endif
+
+void decode_block32(int type, const uint8_t* b, Block32* blk) {
+  const float d = fp16_to_f32(load_u16(b));
+  blk->d = d;
+  __attribute__((unused)) const uint8_t* qs = b + (type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : 2);
+  switch (type) {
+    case kQ4_0:
+    case kQ4_1:
+      blk->a = type == kQ4_0 ? -8.0f * d : fp16_to_f32(load_u16(b + 2));
+#if defined(__AVX2__)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(blk->c), nibbles32(qs));
+#else
+      for (int l = 0; l < 16; ++l) { blk->c[l] = qs[l] & 0xF; blk->c[l + 16] = qs[l] >> 4; }
+#endif
+      break;
+    case kQ5_0: {
+      blk->a = -16.0f * d;
+#if defined(__AVX2__)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(blk->c),
+                         _mm256_or_si256(nibbles32(qs), fifth_bits32(b + 2)));
+#else
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      for (int l = 0; l < 16; ++l) {
+        blk->c[l] = (qs[l] & 0xF) | (((qh >> l) & 1) << 4);
+        blk->c[l + 16] = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+      }
+#endif
+      break;
+    }
+    case kQ8_0:
+      blk->a = 0.0f;
+      std::memcpy(blk->c, qs, 32);
+      break;
+  }
+}
+
+// ---------------------------------------------------------------- quantized activations
+struct Q8Rows {
+  int M = 0;
+  long K = 0;
+  int block = 32;
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> d;      // [M, K / block]
+  std::vector<int16_t> bsum; // [M, K / 16]
+};
+
+void quantize_rows(const float* x, int M, long K, int block, int threads, Q8Rows* out) {
+  out->M = M;
+  out->K = K;
+  out->block = block;
+  out->q.resize(static_cast<size_t>(M) * K);
+  out->d.resize(static_cast<size_t>(M) * (K / block));
+  out->bsum.resize(static_cast<size_t>(M) * (K / 16));
+  const long nb = K / block;
+#pragma omp parallel for schedule(static) collapse(2) num_threads(threads)
+  for (int m = 0; m < M; ++m) {
+    for (long b = 0; b < nb; ++b) {
+      const float* xs = x + m * K + b * block;
+      float amax = 0.0f;
+      for (int i = 0; i < block; ++i) amax = std::fmax(amax, std::fabs(xs[i]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t* q = out->q.data() + m * K + b * block;
+      for (int i = 0; i < block; ++i) {
+        const float v = std::nearbyint(xs[i] * id);
+        q[i] = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+      }
+      out->d[m * nb + b] = d;
+      int16_t* bs = out->bsum.data() + m * (K / 16) + b * (block / 16);
+      for (int j = 0; j < block / 16; ++j) {
+        int s = 0;
+        for (int i = 0; i < 16; ++i) s += q[16 * j + i];
+        bs[j] = static_cast<int16_t>(s);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- per-row accumulation
+struct Acc {
+  float lane[8];
+  float off;
+};
+
+inline float finish(const Acc& a) {
+  const float* l = a.lane;
+  return (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) + a.off;
+}
+
+#if defined(__AVX2__)
+inline __m256i dot32_lanes(const uint8_t* c, const int8_t* x, bool is_signed) {
+  // 8 int32 lanes, lane i = sum_{e = 4i..4i+3} c_e x_e (exact)
+  const __m256i cv = _mm256_load_si256(reinterpret_cast<const __m256i*>(c));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  __m256i p16;
+  if (is_signed) {  // |c| as unsigned, x carrying c's sign: the same products
+    p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(cv, cv), _mm256_sign_epi8(xv, cv));
+  } else {
+    p16 = _mm256_maddubs_epi16(cv, xv);
+  }
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+#endif
+
+// One K-quant super-block into one row's accumulator.
+inline void superblock_row(const SuperBlock& sb, const int8_t* x, const int16_t* bsum, float dx,
+                           Acc* acc) {
+#if defined(__AVX2__)
+  __m256i lanes = _mm256_setzero_si256();
+  for (int ch = 0; ch < 8; ++ch) {
+    const __m256i cv = _mm256_load_si256(reinterpret_cast<const __m256i*>(sb.c + 32 * ch));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * ch));
+    lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(_mm256_maddubs_epi16(cv, xv), sb.sv[ch]));
+  }
+  const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum));
+  const __m256i low = _mm256_madd_epi16(bs, _mm256_load_si256(reinterpret_cast<const __m256i*>(sb.o)));
+  __m256 a = _mm256_loadu_ps(acc->lane);
+  a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(sb.d * dx), a);
+  a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_set1_ps(-(sb.dmin * dx)), a);
+  _mm256_storeu_ps(acc->lane, a);
+#else
+  int32_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int ch = 0; ch < 8; ++ch) {
+    for (int i = 0; i < 8; ++i) {
+      int32_t s = 0;
+      for (int p = 0; p < 2; ++p) {  // the two int16 pairs of lane i, each scaled
+        const int e = 32 * ch + 4 * i + 2 * p;
+        const int32_t pair = sb.c[e] * x[e] + sb.c[e + 1] * x[e + 1];
+        s += pair * sb.s[e / 16];
+      }
+      lanes[i] += s;
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    const int32_t low = bsum[2 * i] * sb.o[2 * i] + bsum[2 * i + 1] * sb.o[2 * i + 1];
+    float a = std::fma(static_cast<float>(lanes[i]), sb.d * dx, acc->lane[i]);
+    acc->lane[i] = std::fma(static_cast<float>(low), -(sb.dmin * dx), a);
+  }
+#endif
+}
+
+// One 32-block into one row's accumulator.
+inline void block32_row(const Block32& blk, bool is_signed, const int8_t* x, const int16_t* bsum,
+                        float dx, Acc* acc) {
+#if defined(__AVX2__)
+  const __m256i lanes = dot32_lanes(blk.c, x, is_signed);
+  __m256 a = _mm256_loadu_ps(acc->lane);
+  a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(blk.d * dx), a);
+  _mm256_storeu_ps(acc->lane, a);
+#else
+  for (int i = 0; i < 8; ++i) {
+    int32_t s = 0;
+    for (int e = 4 * i; e < 4 * i + 4; ++e) {
+      const int32_t c = is_signed ? static_cast<int8_t>(blk.c[e]) : blk.c[e];
+      s += c * x[e];
+    }
+    acc->lane[i] = std::fma(static_cast<float>(s), blk.d * dx, acc->lane[i]);
+  }
+#endif
+  acc->off = std::fma(blk.a * dx, static_cast<float>(bsum[0] + bsum[1]), acc->off);
+}
+
+// Output rows [n0, n1) of one part for rows [m0, m0 + mc) of the quantized activations.
+void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes, const Q8Rows& xq,
+                int m0, int mc, float* y, long ldy, long n0, long n1) {
+  const long K = xq.K;
+  const long nblocks = K / info.block;
+  const long nd = K / xq.block;
+  const long n16 = K / 16;
+  Acc acc[kRowsChunk];
+  SuperBlock sb;
+  Block32 blk;
+  for (long n = n0; n < n1; ++n) {
+    for (int r = 0; r < mc; ++r) acc[r] = Acc{{0, 0, 0, 0, 0, 0, 0, 0}, 0};
+    const uint8_t* row = w + n * row_bytes;
+    for (long b = 0; b < nblocks; ++b) {
+      const uint8_t* src = row + b * info.bytes;
+      const long k0 = b * info.block;
+      if (info.k_quant) {
+        if (type == kQ4_K) decode_q4_K(src, &sb, !kVectorRows); else decode_q6_K(src, &sb);
+        for (int r = 0; r < mc; ++r) {
+          const int m = m0 + r;
+          superblock_row(sb, xq.q.data() + m * K + k0, xq.bsum.data() + m * n16 + k0 / 16,
+                         xq.d[m * nd + b], &acc[r]);
+        }
+      } else {
+        decode_block32(type, src, &blk);
+        for (int r = 0; r < mc; ++r) {
+          const int m = m0 + r;
+          block32_row(blk, info.is_signed, xq.q.data() + m * K + k0,
+                      xq.bsum.data() + m * n16 + k0 / 16, xq.d[m * nd + b], &acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < mc; ++r) y[(m0 + r) * ldy + n] = finish(acc[r]);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 where this library was built with AVX2 (the vector path), 0 for the portable build.
+int quant_rows_avx2() {
+#if defined(__AVX2__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Bytes a row of K values of `type` takes, or -1 for a type this kernel does not know or a K
+// that is not a whole number of its blocks.
+long quant_row_bytes(int type, long K) {
+  TypeInfo info;
+  if (!type_info(type, &info) || K <= 0 || K % info.block) return -1;
+  return K / info.block * info.bytes;
+}
+
+// y[m, col0 + n] = sum_k x[m, k] W[n, k] for m < M, n < N, W [N, K] in `type`'s blocks
+// (`w`, rows of quant_row_bytes(type, K) bytes), x [M, K] float32 row-major, y with row
+// stride ldy.  Returns 0, or -1 for a bad type or shape.
+int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w, long N,
+                      float* y, long ldy, int threads) {
+  TypeInfo info;
+  if (!type_info(type, &info) || M <= 0 || K <= 0 || K % info.block || N <= 0) return -1;
+  const long row_bytes = K / info.block * info.bytes;
+  Q8Rows xq;
+  quantize_rows(x, M, K, info.block, threads, &xq);
+  constexpr long kTile = 8;  // outputs a scheduling unit
+  const long tiles = (N + kTile - 1) / kTile;
+  for (int m0 = 0; m0 < M; m0 += kRowsChunk) {
+    const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long t = 0; t < tiles; ++t) {
+      const long n0 = t * kTile;
+      const long n1 = n0 + kTile < N ? n0 + kTile : N;
+      rows_range(type, info, w, row_bytes, xq, m0, mc, y, ldy, n0, n1);
+    }
+  }
+  return 0;
+}
+
+// out[r, :] = the float32 values of rows ids[r] of W (an embedding lookup), R rows.
+int quant_dequantize_rows(int type, const uint8_t* w, long K, const long* ids, long R,
+                          float* out) {
+  TypeInfo info;
+  if (!type_info(type, &info) || K <= 0 || K % info.block) return -1;
+  const long row_bytes = K / info.block * info.bytes;
+  for (long r = 0; r < R; ++r) {
+    const uint8_t* row = w + ids[r] * row_bytes;
+    float* o = out + r * K;
+    for (long b = 0; b < K / info.block; ++b) {
+      const uint8_t* src = row + b * info.bytes;
+      if (info.k_quant) {
+        SuperBlock sb;
+        if (type == kQ4_K) decode_q4_K(src, &sb, true); else decode_q6_K(src, &sb);
+        for (int e = 0; e < 256; ++e) {  // as ggml dequantizes: Q4_K (d s) c - dmin m,
+          const int j = e / 16;             // Q6_K (d s) (c - 32)
+          o[b * 256 + e] = type == kQ6_K ? sb.d * sb.s[j] * (sb.c[e] - 32)
+                                         : sb.d * sb.s[j] * sb.c[e] - sb.dmin * sb.o[j];
+        }
+      } else {
+        Block32 blk;
+        decode_block32(type, src, &blk);
+        for (int e = 0; e < 32; ++e) {
+          const float c = info.is_signed ? static_cast<int8_t>(blk.c[e]) : blk.c[e];
+          o[b * 32 + e] = blk.d * c + blk.a;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,131 @@
+"""The quantized rows kernel (``specflow.quant``): ggml blocks decoded as ggml decodes them,
+products within the 8-bit activations' error of the float product, a row's bits independent
+of the rows beside it and of the threads, and the AVX2 and portable builds giving the same
+bits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from specflow.errors import ConfigError
+from specflow.quant import kernel
+from specflow.quant.matrix import (
+    QuantMatrix,
+    check_part,
+    dequantize,
+    part_from_numpy,
+    quant_linear,
+)
+from tests.gguf_tiny import dequantize as gguf_dequantize
+from tests.gguf_tiny import quantize
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
+K = 512  # two K-quant super-blocks, sixteen 32-blocks
+
+
+def weights(ggml_type: T, n: int = 24, seed: int = 0) -> tuple[QuantMatrix, np.ndarray]:
+    w = np.random.default_rng(seed).standard_normal((n, K)).astype(np.float32)
+    blocks = quantize(w, ggml_type)
+    return QuantMatrix((part_from_numpy(int(ggml_type), blocks, K),)), blocks
+
+
+def reference(x: torch.Tensor, w: np.ndarray, block: int) -> torch.Tensor:
+    """``x`` quantized to 8 bits per ``block`` as the kernel does, times ``w.T`` in float64."""
+    xb = x.double().reshape(x.shape[0], -1, block)
+    dx = xb.abs().amax(dim=2, keepdim=True) / 127.0
+    x8 = torch.where(dx > 0, torch.round(xb / dx), torch.zeros_like(xb))
+    return ((x8 * dx).reshape(x.shape) @ torch.from_numpy(w).double().T).float()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_blocks_decode_as_ggml_decodes_them(ggml_type):
+    matrix, blocks = weights(ggml_type)
+    assert torch.equal(dequantize(matrix.parts[0]),
+                       torch.from_numpy(gguf_dequantize(blocks, ggml_type)))
+    ids = torch.tensor([5, 0, 23, 5])
+    assert torch.equal(matrix.rows_of(ids), dequantize(matrix.parts[0])[ids])
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_products_match_the_8_bit_activations_reference(ggml_type):
+    matrix, blocks = weights(ggml_type)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
+    w = gguf_dequantize(blocks, ggml_type)
+    block = 256 if ggml_type in (T.Q4_K, T.Q6_K) else 32
+    y = quant_linear(x, matrix, None)
+    torch.testing.assert_close(y, reference(x, w, block), rtol=1e-4, atol=1e-4)
+    exact = x @ torch.from_numpy(w).T  # the float product: within the 8-bit activations' error
+    assert ((y - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(ggml_type):
+    matrix, _ = weights(ggml_type, n=37)
+    x = torch.randn(20, K, generator=torch.Generator().manual_seed(2)) * 3
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = quant_linear(x, matrix, None)  # 20 rows: a chunk of 16, then 4
+        torch.set_num_threads(1)
+        alone = torch.cat([quant_linear(x[i : i + 1], matrix, None) for i in range(20)])
+        mixed = quant_linear(torch.cat([x[7:12], x[:3]]), matrix, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone)
+    assert torch.equal(mixed, torch.cat([alone[7:12], alone[:3]]))
+
+
+def test_parts_stack_and_bias_adds():
+    a, _ = weights(T.Q4_K, n=8, seed=3)
+    b, _ = weights(T.Q6_K, n=5, seed=4)
+    fused = QuantMatrix(a.parts + b.parts)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(7))
+    bias = torch.arange(13, dtype=torch.float32)
+    y = quant_linear(x, fused, None)
+    assert y.shape == (3, 13)
+    assert torch.equal(y, torch.cat([quant_linear(x, a, None), quant_linear(x, b, None)], 1))
+    assert torch.equal(quant_linear(x, fused, bias), y + bias)
+    assert torch.equal(quant_linear(x, fused.prefix(10), None), y[:, :10])
+
+
+@pytest.mark.skipif(kernel.cpu_build() != "avx2", reason="the CPU lacks AVX2, FMA or F16C")
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_the_avx2_and_portable_builds_give_the_same_bits(ggml_type, monkeypatch):
+    matrix, _ = weights(ggml_type, n=19, seed=5)
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(6))
+    portable = kernel.load_build("portable")
+    assert portable.available, portable.why
+    avx2 = quant_linear(x, matrix, None)
+    monkeypatch.setattr("specflow.quant.matrix.kernel_status", lambda: portable)
+    assert portable.library.quant_rows_avx2() == 0
+    assert torch.equal(quant_linear(x, matrix, None), avx2)
+    assert torch.equal(matrix.rows_of(torch.arange(19)), dequantize(matrix.parts[0]))
+
+
+def test_the_cpu_build_follows_the_cpus_flags(monkeypatch):
+    monkeypatch.setattr(kernel, "cpuinfo_field", lambda key: "fpu sse2 avx2 fma f16c")
+    monkeypatch.setattr(kernel.platform, "machine", lambda: "x86_64")
+    assert kernel.cpu_build() == "avx2"
+    monkeypatch.setattr(kernel, "cpuinfo_field", lambda key: "fpu sse2 avx fma")
+    assert kernel.cpu_build() == "portable"
+    monkeypatch.setattr(kernel.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(kernel, "cpuinfo_field", lambda key: "fp asimd")
+    assert kernel.cpu_build() == "portable"
+
+
+def test_a_switched_off_kernel_refuses_gguf_weights_naming_the_fix(monkeypatch):
+    matrix, _ = weights(T.Q8_0, n=4)
+    monkeypatch.setenv(kernel.ENV_SWITCH, "0")
+    with pytest.raises(ConfigError, match="SPECFLOW_QUANT_KERNEL=0.*model.weights=float"):
+        quant_linear(torch.randn(1, K), matrix, None)
+
+
+def test_types_the_kernel_does_not_multiply_are_refused_naming_the_fix():
+    with pytest.raises(ConfigError, match="Q5_K.*model.weights=float"):
+        check_part("blk.0.ffn_down.weight", int(T.Q5_K), (8, 256), 176)
+    with pytest.raises(ConfigError, match="rows of 100 values need a multiple of 32"):
+        check_part("blk.0.attn_q.weight", int(T.Q8_0), (8, 100), 34 * 3)
+    check_part("output_norm.weight", int(T.F32), (1, 100), 400)  # floats pass
