@@ -27,7 +27,6 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repo root
 
-from specflow.acceptance import StandardAcceptor  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.kv.stores import KVLayout  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
@@ -35,8 +34,9 @@ from specflow.runner import build_prompt  # noqa: E402
 from specflow.scheduler import Scheduler, SeqRequest, generate  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
-from stages.full_verifier import FullVerifier  # noqa: E402
-from stages.pld_drafter import PLDDrafter  # noqa: E402
+from stages.acceptors.standard import StandardAcceptor  # noqa: E402
+from stages.drafters.pld import PLDDrafter  # noqa: E402
+from stages.verifiers.full import FullVerifier  # noqa: E402
 
 
 def engine(pipe: SpeculativePipeline, prompts: list[list[int]], tokens: int) -> float:

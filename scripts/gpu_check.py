@@ -44,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
 import torch  # noqa: E402
 
-from specflow.acceptance import StandardAcceptor  # noqa: E402
 from specflow.engine import SpeculativePipeline  # noqa: E402
 from specflow.kv.stores import KVLayout  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
@@ -52,12 +51,13 @@ from specflow.runner import build_prompt  # noqa: E402
 from specflow.scheduler import Scheduler, SeqRequest  # noqa: E402
 from specflow.settings import RunSettings  # noqa: E402
 from specflow.workload import SpecBench  # noqa: E402
-from stages.draft_length import AdaptiveDraftLength  # noqa: E402
-from stages.fallback_drafter import FallbackDrafter  # noqa: E402
-from stages.feature_drafter import FeatureDrafter  # noqa: E402
-from stages.full_verifier import FullVerifier  # noqa: E402
-from stages.model_drafter import ModelDrafter  # noqa: E402
-from stages.pld_drafter import PLDDrafter  # noqa: E402
+from stages.acceptors.standard import StandardAcceptor  # noqa: E402
+from stages.draft_length.adaptive import AdaptiveDraftLength  # noqa: E402
+from stages.drafters.fallback import FallbackDrafter  # noqa: E402
+from stages.drafters.feature import FeatureDrafter  # noqa: E402
+from stages.drafters.model import ModelDrafter  # noqa: E402
+from stages.drafters.pld import PLDDrafter  # noqa: E402
+from stages.verifiers.full import FullVerifier  # noqa: E402
 
 MODEL = "smollm2-135m"
 

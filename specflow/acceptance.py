@@ -1,5 +1,7 @@
-"""The lossless acceptance rule: pure functions (FLy builds on them) and ``StandardAcceptor``,
-the one acceptor class for it (configs ``acceptor=exact`` and ``acceptor=rejection``).
+"""The lossless acceptance rule: pure functions (FLy builds on them) and ``LosslessAcceptor``,
+the rule as an acceptor: plain decoding's and HiSpec's intermediate level's, and the base of
+the acceptor stage of configs ``acceptor=exact`` and ``acceptor=rejection``
+(``stages.acceptors.standard.StandardAcceptor``).
 
 Below, k is the number of tokens drafted this round (``len(draft.tokens)``).
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from specflow.errors import ConfigError
 from specflow.sampling import greedy_tokens, sample, warp
 from specflow.state import Acceptance, DecodeState, Draft
 
@@ -101,32 +102,21 @@ def correction_sample(
     return int(sample((residual / residual.sum()).unsqueeze(0), generator)[0])
 
 
-class StandardAcceptor:
-    """The lossless rule, the one acceptor class for it (``acceptor=exact`` and
-    ``acceptor=rejection``): ``greedy_accept`` when the request is greedy, else
-    ``rejection_accept`` on the warped target distributions ``p = warp(logits)`` and the
-    draft's q (``Draft.probs``; one-hot when ``None``).
+class LosslessAcceptor:
+    """The lossless rule: ``greedy_accept`` when the request is greedy (``greedy_tree_accept``
+    for a tree draft), else ``rejection_accept`` on the warped target distributions
+    ``p = warp(logits)`` and the draft's q (``Draft.probs``; one-hot when ``None``).
 
-    It is also the acceptor of plain decoding (no draft: the target's argmax or a sample
-    from p) and of HiSpec's intermediate level.
-
-    Args:
-        greedy_only: refuse sampling when the pipeline is built (``acceptor=exact``: a run
-            meant to be greedy fails loudly at temperature > 0 instead of sampling).
+    The acceptor of plain decoding (no draft: the target's argmax or a sample from p) and of
+    HiSpec's intermediate level; the acceptor stage ``acceptor=exact|rejection`` is this rule
+    with a greedy-only option (``stages.acceptors.standard``).
     """
 
     lossless = True
     accepts_trees = True  # greedy requests (module doc)
 
-    def __init__(self, greedy_only: bool = False) -> None:
-        self.greedy_only = greedy_only
-
     def check(self, greedy: bool) -> None:
-        if self.greedy_only and not greedy:
-            raise ConfigError(
-                "acceptor=exact is greedy-only but sampling.temperature > 0; use "
-                "acceptor=rejection for lossless speculative sampling"
-            )
+        """Any sampling mode."""
 
     def check_draft_length(self, k: int) -> None:
         pass

@@ -43,7 +43,7 @@ from dataclasses import replace
 
 import torch
 
-from specflow.acceptance import StandardAcceptor
+from specflow.acceptance import LosslessAcceptor
 from specflow.catchup import catch_up, context_start
 from specflow.errors import ConfigError, SpecflowError
 from specflow.kv.base import ModelInfo, check_same_tokenizer
@@ -138,7 +138,7 @@ class SpeculativePipeline:
 
             drafter = SpeculativePipeline(
                 intermediate_verifier,
-                StandardAcceptor(),
+                LosslessAcceptor(),
                 drafter=drafter,
                 name=f"{name}/intermediate",
                 level="intermediate",

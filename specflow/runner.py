@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from specflow.acceptance import StandardAcceptor
+from specflow.acceptance import LosslessAcceptor
 from specflow.baselines import BaselineCache, CachedBaseline, machine_description
 from specflow.cache_root import cache_root
 from specflow.engine import SpeculativePipeline
@@ -149,7 +149,7 @@ class Runner:
         callbacks: list[Any] | None = None,
     ) -> None:
         self.pipeline = pipeline
-        self.baseline = SpeculativePipeline(pipeline.target_verifier, StandardAcceptor(),
+        self.baseline = SpeculativePipeline(pipeline.target_verifier, LosslessAcceptor(),
                                             name="ar", clock=pipeline.clock)
         self.tokenizer = tokenizer
         self.settings = settings

@@ -8,12 +8,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specflow.acceptance import StandardAcceptor, greedy_accept, rejection_accept
+from specflow.acceptance import greedy_accept, rejection_accept
 from specflow.engine import SpeculativePipeline
 from specflow.sampling import SamplingParams, greedy_tokens, warp
 from specflow.scheduler import generate
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.model import ModelDrafter
+from stages.verifiers.full import FullVerifier
 
 
 def logits_for(argmaxes: list[int], vocab: int = 6) -> torch.Tensor:

@@ -156,12 +156,12 @@ def test_an_adapter_needs_an_early_exit():
 def test_self_spec_drafts_through_the_adapter(adapted, monkeypatch):
     """The early-exit drafter reads the adapter (its rows are run, and the drafts differ from
     the bare exit's), and the output stays the target's."""
-    from specflow.acceptance import StandardAcceptor
     from specflow.engine import SpeculativePipeline
     from specflow.models.native import LayerAdapter
     from specflow.scheduler import generate
-    from stages.full_verifier import FullVerifier
-    from stages.model_drafter import ModelDrafter
+    from stages.acceptors.standard import StandardAcceptor
+    from stages.drafters.model import ModelDrafter
+    from stages.verifiers.full import FullVerifier
     from tests.conftest import hf_greedy
 
     hf, lm, _ = adapted

@@ -35,7 +35,6 @@ from callbacks.sweep import (
 )
 from callbacks.sweep import main as sweep_main
 from specflow import compare
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.metrics import flatten_record, flatten_summary
@@ -55,7 +54,8 @@ from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings
 from specflow.state import Draft
 from specflow.workload import Request
-from stages.full_verifier import FullVerifier
+from stages.acceptors.standard import StandardAcceptor
+from stages.verifiers.full import FullVerifier
 from tests.conftest import CharTokenizer, NoopCallback
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -85,9 +85,9 @@ def tiny_models(monkeypatch, deep_tiny, deep_tiny_feature_head, deep_tiny_medusa
     monkeypatch.setattr("specflow.models.loading.load_model",
                         lambda name, *a, **k: draft if "0.5b" in str(name) else loaded)
     monkeypatch.setattr("specflow.models.resolve.attach_exit_heads", lambda *a, **k: None)
-    monkeypatch.setattr("stages.feature_drafter.default_feature_head_path",
+    monkeypatch.setattr("stages.drafters.feature.default_feature_head_path",
                         lambda name: deep_tiny_feature_head)
-    monkeypatch.setattr("stages.medusa_drafter.default_medusa_path",
+    monkeypatch.setattr("stages.drafters.medusa.default_medusa_path",
                         lambda name: deep_tiny_medusa)
     return loaded
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from specflow.acceptance import StandardAcceptor
 from specflow.catchup import context_start, session_tokens
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
@@ -14,12 +13,13 @@ from specflow.kv.stores import KVLayout
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest
 from specflow.state import DecodeState
-from stages.fallback_drafter import FallbackDrafter
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
-from stages.pool_drafter import PoolDrafter
-from stages.round_robin_selector import RoundRobinSelector
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.drafters.pool import PoolDrafter
+from stages.selectors.round_robin import RoundRobinSelector
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, law_pvalue, make_pair, two_token_law
 from tests.test_one_engine import MAX_NEW, PROMPTS, decode
 from tests.test_token_tree import tree_drafter

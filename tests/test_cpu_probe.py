@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor
 from specflow.app import check_models_fit_cpu, model_configs
 from specflow.baselines import machine_description
 from specflow.cpu import detect as cpu
@@ -29,8 +28,9 @@ from specflow.errors import ConfigError
 from specflow.models.native import NativeLM, packing_available
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 from specflow.scheduler import generate
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.model import ModelDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy
 from tests.test_configs import _compose
 
@@ -251,13 +251,13 @@ def test_experiments_fit_an_avx2_cpu_and_bf16_is_refused_before_loading(as_cpu, 
 _CHILD = """
 import json, torch
 from specflow.cpu import detect as cpu
-from specflow.acceptance import StandardAcceptor
+from stages.acceptors.standard import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.models.native import NativeLM
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 from specflow.scheduler import generate
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
+from stages.verifiers.full import FullVerifier
+from stages.drafters.model import ModelDrafter
 from tests.conftest import hf_greedy
 
 caps = cpu.probe_cpu()

@@ -10,7 +10,6 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from specflow.acceptance import StandardAcceptor
 from specflow.catchup import catch_up
 from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
@@ -19,13 +18,14 @@ from specflow.kv.stores import KVStores
 from specflow.protocols import DraftPart, Pipeline, draft_limit
 from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
-from stages.early_exit_verifier import EarlyExitVerifier
-from stages.fallback_drafter import FallbackDrafter
-from stages.fixed_selector import FixedSelector
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
-from stages.pool_drafter import PoolDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.drafters.pool import PoolDrafter
+from stages.selectors.fixed import FixedSelector
+from stages.verifiers.early_exit import EarlyExitVerifier
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,7 +199,8 @@ def test_every_acceptor_config_is_the_lossless_class_or_fly():
         found += [line.split(":", 1)[1].split("#")[0].strip() for line in text.splitlines()
                   if "_target_:" in line and "Acceptor" in line]
     assert found
-    assert set(found) <= {"specflow.acceptance.StandardAcceptor", "stages.fly_acceptor.FlyAcceptor"}
+    assert set(found) <= {"stages.acceptors.standard.StandardAcceptor",
+                          "stages.acceptors.fly.FlyAcceptor"}
 
 
 # ---------------------------------------------------------------- one catch-up, one clock

@@ -7,7 +7,6 @@ from collections import Counter
 
 import pytest
 
-from specflow.acceptance import StandardAcceptor
 from specflow.costs import RowPrices
 from specflow.cpu.row_padding import RowProbe
 from specflow.drafting import draft_with_model
@@ -17,15 +16,16 @@ from specflow.kv.stores import KVLayout, KVStores
 from specflow.protocols import DraftPart, ModelUse
 from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import DecodeState, Draft, PartStats, RoundReport
-from stages.draft_length import (
+from stages.acceptors.standard import StandardAcceptor
+from stages.draft_length.adaptive import (
     AdaptiveDraftLength,
-    HeuristicDraftLength,
     expected_tokens,
     expected_tokens_by_position,
 )
-from stages.fallback_drafter import FallbackDrafter
-from stages.full_verifier import FullVerifier
-from stages.pld_drafter import PLDDrafter
+from stages.draft_length.heuristic import HeuristicDraftLength
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy
 from tests.test_engine_greedy import OracleDrafter
 

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.session import ModelSession
@@ -30,13 +29,14 @@ from specflow.protocols import Draft
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import DecodeState
-from stages.early_exit_verifier import EarlyExitVerifier
-from stages.fallback_drafter import FallbackDrafter
-from stages.feature_drafter import FeatureDrafter
-from stages.full_verifier import FullVerifier
-from stages.pld_drafter import PLDDrafter
-from stages.pool_drafter import PoolDrafter
-from stages.round_robin_selector import RoundRobinSelector
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.feature import FeatureDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.drafters.pool import PoolDrafter
+from stages.selectors.round_robin import RoundRobinSelector
+from stages.verifiers.early_exit import EarlyExitVerifier
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, law_pvalue, make_pair, two_token_law
 from tests.test_one_engine import decode
 from tests.test_published_heads import _rms, paper_layer

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, PromptTooLongError
 from specflow.models.native import NativeLM
@@ -12,9 +11,10 @@ from specflow.models.tiny import tiny_hf_model, tiny_model_info
 from specflow.protocols import DraftPart
 from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy
 
 PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6], [2]]

@@ -8,8 +8,8 @@ import pytest
 from specflow.errors import ConfigError
 from specflow.protocols import DraftPart
 from specflow.state import DecodeState, Draft
-from stages.fallback_drafter import FallbackDrafter
-from stages.pld_drafter import PLDDrafter
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.pld import PLDDrafter
 
 
 class Scripted:

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, ModelNotFoundError
 from specflow.kv.contiguous import KVCache
@@ -18,8 +17,9 @@ from specflow.models.feature_head import (
     read_feature_head_metadata,
 )
 from specflow.scheduler import generate
-from stages.feature_drafter import FeatureDrafter
-from stages.full_verifier import FullVerifier
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.feature import FeatureDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, make_pair, train_tiny_feature_head
 from train_heads.feature_module import collate, feature_losses
 

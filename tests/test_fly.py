@@ -9,21 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.sampling import SamplingParams
 from specflow.scheduler import generate
 from specflow.state import DecodeState, Draft
-from stages.fly_acceptor import (
+from stages.acceptors.fly import (
     FlyAcceptor,
     fly_scan,
     gate_entropy,
     normalized_entropy,
     vllm_entropy,
 )
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.model import ModelDrafter
+from stages.verifiers.full import FullVerifier
 
 V = 8
 CONFIDENT = 0  # logits row with one dominant token: normalized top-3 entropy ~ 0
@@ -318,6 +318,6 @@ def test_acceptor_conf_files():
     paper = OmegaConf.to_container(OmegaConf.load(conf / "fly.yaml"))
     vllm = OmegaConf.to_container(OmegaConf.load(conf / "fly_vllm.yaml"))
     for node in (paper, vllm):
-        assert node.pop("_target_") == "stages.fly_acceptor.FlyAcceptor"
+        assert node.pop("_target_") == "stages.acceptors.fly.FlyAcceptor"
     assert paper == {"theta": 0.3, "window": None, "entropy_top_k": 3, "entropy": "normalized"}
     assert vllm == {"theta": 0.3, "window": None, "entropy_top_k": 3, "entropy": "vllm"}

@@ -31,9 +31,12 @@ def _compose(overrides: list[str]) -> Any:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("drafter.k=abc", "drafter.k='abc' must be an int (stages.pld_drafter.PLDDrafter(k: int))"),
-        ("drafter.k=2.5", "drafter.k=2.5 must be an int (stages.pld_drafter.PLDDrafter(k: int))"),
-        ("drafter.k=true", "drafter.k=True must be an int (stages.pld_drafter.PLDDrafter(k: int))"),
+        ("drafter.k=abc",
+         "drafter.k='abc' must be an int (stages.drafters.pld.PLDDrafter(k: int))"),
+        ("drafter.k=2.5",
+         "drafter.k=2.5 must be an int (stages.drafters.pld.PLDDrafter(k: int))"),
+        ("drafter.k=true",
+         "drafter.k=True must be an int (stages.drafters.pld.PLDDrafter(k: int))"),
         ("drafter.max_ngram=[3]", "drafter.max_ngram=[3] must be an int"),
     ],
 )

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specflow.acceptance import StandardAcceptor
 from specflow.app import prepare_run
 from specflow.cpu.int8_weights import Int8Matrix, int8_linear, quantize_int8
 from specflow.cpu.row_padding import (
@@ -25,10 +24,11 @@ from specflow.kv.stores import KVLayout
 from specflow.models.native import NativeLM, linear
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest
-from stages.fallback_drafter import FallbackDrafter
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, law_pvalue, make_pair, two_token_law
 from tests.test_configs import _compose
 from tests.test_models_loading import WORDS, _load, _tiny_folder

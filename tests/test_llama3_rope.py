@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.models.native import NativeLM, rope_inv_freq, supports
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
-from specflow.recycling import RecyclingTable
-from specflow.suffix_index import SuffixIndex
-from stages.full_verifier import FullVerifier
-from stages.pld_drafter import PLDDrafter
-from stages.token_tree_drafter import TokenTreeDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.pld import PLDDrafter
+from stages.drafters.token_tree.drafter import TokenTreeDrafter
+from stages.drafters.token_tree.recycling import RecyclingTable
+from stages.drafters.token_tree.suffix_index import SuffixIndex
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy
 from tests.test_one_engine import decode
 
@@ -92,7 +92,7 @@ def test_an_eagle_head_uses_the_rope_its_config_states(llama31, head_rope, tmp_p
     tables of its own.  Either way drafting stays lossless."""
     from specflow.models.decoder_params import rope_tables
     from specflow.models.published_heads import load_published_head
-    from stages.feature_drafter import FeatureDrafter
+    from stages.drafters.feature import FeatureDrafter
     from tests.test_published_heads import eagle_config, eagle_state, write_eagle
 
     hf, lm = llama31

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.stores import KVStores
 from specflow.sampling import SamplingParams
 from specflow.state import DecodeState
-from stages.full_verifier import FullVerifier
-from stages.medusa_drafter import MedusaDrafter, cartesian_tree
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.medusa import MedusaDrafter, cartesian_tree
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, make_pair
 from tests.test_one_engine import decode
 

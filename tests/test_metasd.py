@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.measure import generation_metrics
@@ -17,14 +16,15 @@ from specflow.oracle import load_runs, oracle_report
 from specflow.protocols import DraftPart
 from specflow.scheduler import generate
 from specflow.state import Acceptance, DecodeState, Draft
-from stages.fallback_drafter import FallbackDrafter
-from stages.fixed_selector import FixedSelector
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
-from stages.pool_drafter import PoolDrafter, block_divergence
-from stages.round_robin_selector import RoundRobinSelector
-from stages.ucb_selector import DiscountedUCBSelector, UCBSelector
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.drafters.pool import PoolDrafter, block_divergence
+from stages.selectors.fixed import FixedSelector
+from stages.selectors.round_robin import RoundRobinSelector
+from stages.selectors.ucb import DiscountedUCBSelector, UCBSelector
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, make_pair
 
 PROMPTS = [[1, 5, 9, 17, 33, 5, 9, 17], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]]
@@ -342,8 +342,8 @@ def test_pool_is_lossless_whatever_the_arm(deep_target, tiny_drafter, selector):
 
 def test_pool_when_sampling(deep_target, tiny_drafter):
     """Sampling: BD uses the drafters' q (one-hot for PLD) and the target's warped p."""
-    from specflow.acceptance import StandardAcceptor
     from specflow.sampling import SamplingParams
+    from stages.acceptors.standard import StandardAcceptor
 
     _, lm = deep_target
     _, draft_lm = tiny_drafter

@@ -12,7 +12,6 @@ import importlib
 import pytest
 from scipy.stats import chisquare
 
-from specflow.acceptance import StandardAcceptor
 from specflow.cpu.row_padding import RowProbe
 from specflow.engine import SpeculativePipeline
 from specflow.kv.stores import KVLayout
@@ -20,20 +19,21 @@ from specflow.protocols import DraftPart
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import Acceptance, DecodeState, Draft
-from stages.draft_length import AdaptiveDraftLength
-from stages.early_exit_verifier import EarlyExitVerifier
-from stages.fallback_drafter import FallbackDrafter
-from stages.feature_drafter import FeatureDrafter, TreeGain
-from stages.fixed_selector import FixedSelector
-from stages.fly_acceptor import FlyAcceptor
-from stages.full_verifier import FullVerifier
-from stages.layer_skip_drafter import LayerSkipDrafter
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
-from stages.pool_drafter import PoolDrafter
-from stages.round_robin_selector import RoundRobinSelector
-from stages.single_selector import SingleSelector
-from stages.ucb_selector import DiscountedUCBSelector, UCBSelector
+from stages.acceptors.fly import FlyAcceptor
+from stages.acceptors.standard import StandardAcceptor
+from stages.draft_length.adaptive import AdaptiveDraftLength
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.feature import FeatureDrafter, TreeGain
+from stages.drafters.layer_skip import LayerSkipDrafter
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.drafters.pool import PoolDrafter
+from stages.selectors.fixed import FixedSelector
+from stages.selectors.round_robin import RoundRobinSelector
+from stages.selectors.single import SingleSelector
+from stages.selectors.ucb import DiscountedUCBSelector, UCBSelector
+from stages.verifiers.early_exit import EarlyExitVerifier
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, make_pair, train_tiny_feature_head, two_token_law
 
 PROMPTS = [

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.base import KVSpec
@@ -27,8 +26,9 @@ from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.settings import RunSettings
 from specflow.workload import Request
-from stages.full_verifier import FullVerifier
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import CharTokenizer, hf_greedy
 
 MAX_NEW = 30

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.kv.kernels import flash_available
 from specflow.kv.paged import paged_pool
 from specflow.kv.session import ModelSession, forward_logits
 from specflow.kv.stores import KVLayout, as_dtype
 from specflow.scheduler import Scheduler, SeqRequest, generate
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import make_pair
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

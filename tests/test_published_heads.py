@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.stores import KVStores
@@ -28,10 +27,11 @@ from specflow.models.eagle_export import save_eagle_folder
 from specflow.models.feature_head import FeatureHead
 from specflow.scheduler import generate
 from specflow.state import DecodeState
-from stages.fallback_drafter import FallbackDrafter
-from stages.feature_drafter import FeatureDrafter
-from stages.full_verifier import FullVerifier
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.feature import FeatureDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, make_pair, train_tiny_feature_head
 from tests.test_one_engine import decode
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.measure import generation_metrics
 from specflow.metrics import SCALARS
@@ -22,8 +21,9 @@ from specflow.scheduler import Generation
 from specflow.settings import RunSettings
 from specflow.state import RoundStats, StageTimes
 from specflow.workload import Request
-from stages.full_verifier import FullVerifier
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

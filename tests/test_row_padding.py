@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor
 from specflow.costs import RowPrices
 from specflow.cpu.row_padding import (
     RowProbe,
@@ -26,8 +25,9 @@ from specflow.errors import ConfigError
 from specflow.models.native import NativeLM, linear, pack
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
 from specflow.scheduler import generate
-from stages.full_verifier import FullVerifier
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),

@@ -12,7 +12,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor
 from specflow.cpu import rows_kernel
 from specflow.cpu.float_rows import StackedRows
 from specflow.cpu.int8_weights import int8_linear, quantize_int8
@@ -26,10 +25,11 @@ from specflow.cpu.rows_kernel import (
 )
 from specflow.engine import SpeculativePipeline
 from specflow.models.native import NativeLM, packing_available
-from stages.fallback_drafter import FallbackDrafter
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, make_pair
 from tests.test_one_engine import MAX_NEW, PROMPTS, decode
 

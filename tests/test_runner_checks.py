@@ -9,7 +9,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, PromptTooLongError
 from specflow.graph import build_pipeline
@@ -19,8 +18,9 @@ from specflow.runner import Runner
 from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings
 from specflow.workload import Request
-from stages.full_verifier import FullVerifier
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import CharTokenizer, NoopCallback
 from tests.test_configs import (  # noqa: F401 - fixtures
     _compose,

@@ -6,7 +6,6 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.session import ModelSession
@@ -14,11 +13,12 @@ from specflow.kv.stores import KVStores
 from specflow.sampling import SamplingParams
 from specflow.scheduler import generate
 from specflow.state import DecodeState
-from stages.early_exit_verifier import EarlyExitVerifier
-from stages.feature_drafter import FeatureDrafter
-from stages.full_verifier import FullVerifier
-from stages.layer_skip_drafter import LayerSkipDrafter
-from stages.model_drafter import ModelDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.feature import FeatureDrafter
+from stages.drafters.layer_skip import LayerSkipDrafter
+from stages.drafters.model import ModelDrafter
+from stages.verifiers.early_exit import EarlyExitVerifier
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, make_pair, train_tiny_feature_head, two_token_law
 
 PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]]
@@ -109,7 +109,7 @@ def test_hispec_equals_hf(deep, prompt, l_d, l_i, acc):
 
 
 def test_pld_feeds_the_intermediate_verifier(deep):
-    from stages.pld_drafter import PLDDrafter
+    from stages.drafters.pld import PLDDrafter
 
     hf, lm = deep
     pipe = SpeculativePipeline(

@@ -12,7 +12,6 @@ import random
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.base import KVSpec
@@ -22,10 +21,11 @@ from specflow.kv.static import bucket_for
 from specflow.kv.stores import KVLayout
 from specflow.scheduler import Scheduler, SeqRequest
 from specflow.settings import RunSettings
-from stages.draft_length import AdaptiveDraftLength
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.draft_length.adaptive import AdaptiveDraftLength
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy
 from tests.test_one_engine import PROMPTS
 

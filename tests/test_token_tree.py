@@ -10,26 +10,31 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specflow.acceptance import StandardAcceptor
 from specflow.cpu.row_padding import RowProbe
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.kv.stores import KVLayout
-from specflow.recycling import RecyclingTable
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import Acceptance, Draft
-from specflow.suffix_index import SuffixIndex
-from specflow.tree_plan import AcceptanceCalibration, Candidate, grow_tree, plan_sizes
-from stages.draft_length import AdaptiveDraftLength
-from stages.fallback_drafter import FallbackDrafter
-from stages.full_verifier import FullVerifier
-from stages.merged_tree_drafter import MergedTreeDrafter, merge
-from stages.model_drafter import ModelDrafter
-from stages.pld_drafter import PLDDrafter
-from stages.pool_drafter import PoolDrafter
-from stages.round_robin_selector import RoundRobinSelector
-from stages.token_tree_drafter import TokenTreeDrafter, recycle_bin, suffix_bin
+from stages.acceptors.standard import StandardAcceptor
+from stages.draft_length.adaptive import AdaptiveDraftLength
+from stages.drafters.fallback import FallbackDrafter
+from stages.drafters.merged_tree import MergedTreeDrafter, merge
+from stages.drafters.model import ModelDrafter
+from stages.drafters.pld import PLDDrafter
+from stages.drafters.pool import PoolDrafter
+from stages.drafters.token_tree.drafter import TokenTreeDrafter, recycle_bin, suffix_bin
+from stages.drafters.token_tree.recycling import RecyclingTable
+from stages.drafters.token_tree.suffix_index import SuffixIndex
+from stages.drafters.token_tree.tree_plan import (
+    AcceptanceCalibration,
+    Candidate,
+    grow_tree,
+    plan_sizes,
+)
+from stages.selectors.round_robin import RoundRobinSelector
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy, law_pvalue, make_pair, two_token_law
 from tests.test_one_engine import MAX_NEW, PROMPTS, decode
 
@@ -494,7 +499,7 @@ def test_kept_tables_round_trip_exactly(target, tmp_path):
 
 def test_kept_tables_of_another_model_are_refused(target, tmp_path):
     _, lm = target
-    from specflow.kept_tables import TargetKey, save_tables
+    from stages.drafters.token_tree.kept_tables import TargetKey, save_tables
 
     save_tables(tmp_path, TargetKey("other-model", "0123abcd", lm.info.vocab_size),
                 RecyclingTable(width=4), SuffixIndex(), AcceptanceCalibration())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor, greedy_tree_accept
+from specflow.acceptance import greedy_tree_accept
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, PromptTooLongError, SpecflowError
 from specflow.kv.contiguous import KVCache
@@ -14,8 +14,9 @@ from specflow.kv.session import ModelSession, forward_logits
 from specflow.kv.tree import TreeLayout, path_rows
 from specflow.protocols import DraftPart
 from specflow.state import Draft
-from stages.fly_acceptor import FlyAcceptor
-from stages.full_verifier import FullVerifier
+from stages.acceptors.fly import FlyAcceptor
+from stages.acceptors.standard import StandardAcceptor
+from stages.verifiers.full import FullVerifier
 from tests.conftest import make_pair
 
 # Node i continues node PARENTS[i] (-1: the last committed token): two roots, a chain of
@@ -273,7 +274,7 @@ def test_a_tree_from_a_drafter_declaring_chains_is_refused_at_its_round(lm):
 
 
 def test_an_intermediate_verifier_refuses_a_tree_drafter_when_built(lm):
-    from stages.early_exit_verifier import EarlyExitVerifier
+    from stages.verifiers.early_exit import EarlyExitVerifier
 
     with pytest.raises(ConfigError, match="drafter.branches=2: an intermediate_verifier "
                                           "verifies chains"):

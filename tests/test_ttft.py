@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.measure import decode_times
 from specflow.records import RunMeta
@@ -20,8 +19,9 @@ from specflow.scheduler import Generation, generate
 from specflow.settings import RunSettings
 from specflow.state import RoundStats, StageTimes
 from specflow.workload import Request
-from stages.full_verifier import FullVerifier
-from stages.pld_drafter import PLDDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.pld import PLDDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import CharTokenizer
 
 PREFILL_S, ROUND_S = 5.0, 1.0

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specflow.acceptance import StandardAcceptor
 from specflow.cpu.int8_weights import quantize_int8
 from specflow.drafting import SubVocabHead, draft_with_model
 from specflow.engine import SpeculativePipeline
@@ -18,8 +17,9 @@ from specflow.models.native import NativeLM
 from specflow.models.tiny import tiny_model_info
 from specflow.scheduler import generate
 from specflow.state import DecodeState
-from stages.full_verifier import FullVerifier
-from stages.model_drafter import ModelDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.model import ModelDrafter
+from stages.verifiers.full import FullVerifier
 from tests.conftest import hf_greedy
 
 

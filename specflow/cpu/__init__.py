@@ -1,8 +1,8 @@
 """What the CPU runs and how fast: the native models' CPU side, in one package.
 
 - ``detect``: what this CPU can do (ISA level, bf16, oneDNN packing), probed once per process,
-  and the dtype and packing that follow (``probe_cpu``, ``resolve_dtype``,
-  ``check_cpu_weights``; re-exported here).
+  and the dtype and packing that follow (``probe_cpu``; ``resolve_dtype`` and
+  ``check_cpu_weights``, which the model loader imports from here).
 - ``rows_kernel`` (C++ source in ``kernels/rows_linear.cpp``): the rows kernels, a few rows
   times a matrix at memory speed; ``float_rows`` and ``int8_weights``: the matrices they
   multiply (a float32 model's own, or int8 copies).
@@ -17,6 +17,6 @@ and the whole-pass check measure a loaded native model, so they, and only they, 
 package without a circle.
 """
 
-from specflow.cpu.detect import check_cpu_weights, probe_cpu, resolve_dtype
+from specflow.cpu.detect import check_cpu_weights, resolve_dtype
 
-__all__ = ["check_cpu_weights", "probe_cpu", "resolve_dtype"]
+__all__ = ["check_cpu_weights", "resolve_dtype"]

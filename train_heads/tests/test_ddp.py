@@ -53,13 +53,13 @@ def test_ddp_on_two_cpu_processes_trains_and_only_rank_zero_writes(tmp_path):
     assert "rank 1" not in (run_dir / "report.md").read_text()
 
     # the heads load onto the model and draft like any others: lossless self-speculation
-    from specflow.acceptance import StandardAcceptor
     from specflow.engine import SpeculativePipeline
     from specflow.models.exit_heads import load_and_attach
     from specflow.models.loading import load_model
     from specflow.scheduler import generate
-    from stages.full_verifier import FullVerifier
-    from stages.model_drafter import ModelDrafter
+    from stages.acceptors.standard import StandardAcceptor
+    from stages.drafters.model import ModelDrafter
+    from stages.verifiers.full import FullVerifier
 
     loaded = load_model(MODEL, dtype="float32", backend="auto", trust_remote_code=False,
                         packed_weights=None)

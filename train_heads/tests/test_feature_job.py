@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.models.feature_head import read_feature_head_metadata
 from specflow.scheduler import generate
-from stages.feature_drafter import FeatureDrafter
-from stages.full_verifier import FullVerifier
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.feature import FeatureDrafter
+from stages.verifiers.full import FullVerifier
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specflow.acceptance import StandardAcceptor
 from specflow.engine import SpeculativePipeline
 from specflow.scheduler import generate
-from stages.full_verifier import FullVerifier
-from stages.medusa_drafter import MedusaDrafter
+from stages.acceptors.standard import StandardAcceptor
+from stages.drafters.medusa import MedusaDrafter
+from stages.verifiers.full import FullVerifier
 from train_heads.feature_data import FeatureSequences
 from train_heads.medusa_job import medusa_rows
 

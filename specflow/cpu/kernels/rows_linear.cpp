@@ -17,7 +17,7 @@
 // While a tile streams its G blocks the next tile's are prefetched at the same k (a tile
 // starts with its streams in cache: measured 15-20 % faster a step on the 0.5B).
 //
-// Built by specflow.models.rows_kernel with -O3 -mavx2 -mfma -fopenmp and used only where
+// Built by specflow.cpu.rows_kernel with -O3 -mavx2 -mfma -fopenmp and used only where
 // the CPU reports AVX2 and FMA.  In both kernels the tiles are split over OpenMP threads: loaded into a
 // process that has loaded torch, the library binds to torch's own libgomp.so.1, so its
 // parallel region runs on the thread pool torch's operators use (a pool of its own would

@@ -1,6 +1,6 @@
 """Planning a token tree by expected tokens per unit of verify cost.
 
-A training-free tree drafter (``stages.token_tree_drafter``) knows, for each candidate
+A training-free tree drafter (``stages.drafters.token_tree.drafter``) knows, for each candidate
 child of a node, an estimate ``p`` of the probability that the target keeps it *given
 that its parent was kept* (for greedy decoding: that it is the target's argmax there).
 A node's **path probability** is the product of ``p`` along its path from the root, the

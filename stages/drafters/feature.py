@@ -68,9 +68,10 @@ from specflow.models.feature_head import default_feature_head_path, load_feature
 from specflow.models.native import NativeLM
 from specflow.models.published_heads import load_published_head
 from specflow.models.resolve import as_layered_lm
-from specflow.protocols import DraftPart, FeatureHeadRunner, ModelUse
+from specflow.protocols import FeatureHeadRunner, ModelUse
 from specflow.sampling import choose
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
+from stages.drafters.base import DrafterDefaults, check_k
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def feature_head_placer(lm: NativeLM, head: str
     )
 
 
-class FeatureDrafter:
+class FeatureDrafter(DrafterDefaults):
     """Draft up to ``k`` tokens per round with a feature head of the target ``model``.
 
     Args:
@@ -222,8 +223,7 @@ class FeatureDrafter:
     def __init__(self, model: Any, head: str = "default", k: int = 4,
                  min_confidence: float = 0.0, branches: int = 1,
                  trees: str = "free_rows") -> None:
-        if k < 1:
-            raise ConfigError(f"drafter.k must be >= 1, got {k}")
+        self.k = check_k(k)
         if branches < 1:
             raise ConfigError(f"drafter.branches must be >= 1 (1: a chain), got {branches}")
         if trees not in ("free_rows", "measured", "always"):
@@ -241,7 +241,6 @@ class FeatureDrafter:
                 f"{self.lm.info.name} runs on another backend: set model.backend=native"
             )
         self.place, self.head_path, self.layer_inputs = feature_head_placer(self.lm, head)
-        self.k = k
         self.min_confidence = min_confidence
         self._draft_models: dict[int, FeatureHeadRunner] = {}  # by id(placed target)
         self._rows: RequestLocal[HeadRows] = RequestLocal(self._new_rows)
@@ -275,10 +274,6 @@ class FeatureDrafter:
         for st in states:
             st.session(self.lm).retain_final_from(0)
             self._rows.set(st, self._new_rows(st))
-
-    def next_part(self, state: DecodeState) -> DraftPart:
-        """One part, drafting its k whenever asked (``Drafter.next_part``)."""
-        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in states]

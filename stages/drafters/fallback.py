@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from specflow.errors import ConfigError
-from specflow.kv.base import ModelInfo
-from specflow.protocols import Drafter, DraftPart, ModelUse, draft_limit, sub_part
+from specflow.protocols import Drafter, DraftPart, draft_limit, sub_part
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
+from stages.drafters.base import ComposedDrafter
 
 
-class FallbackDrafter:
+class FallbackDrafter(ComposedDrafter):
     """``first``'s draft when it has at least ``min_tokens`` tokens, else ``then``'s.
 
     Args:
@@ -45,21 +45,12 @@ class FallbackDrafter:
             raise ConfigError(f"drafter.min_tokens must be >= 1, got {min_tokens}")
         self.first = first
         self.then = then
+        self.parts = (first, then)
         self.min_tokens = min_tokens
         self.k = max(first.k, then.k)
         self.branches = max(first.branches, then.branches)
         # Per request: whether its draft of this round came from ``first``.
         self._from_first: RequestLocal[bool] = RequestLocal(lambda _state: True)
-
-    def models(self) -> list[ModelInfo]:
-        return self.first.models() + self.then.models()
-
-    def uses(self) -> list[ModelUse]:
-        return self.first.uses() + self.then.uses()
-
-    def begin(self, states: list[DecodeState]) -> None:
-        self.first.begin(states)
-        self.then.begin(states)
 
     def next_part(self, state: DecodeState) -> DraftPart:
         """``first``'s part where it has ``min_tokens`` tokens available, else ``then``'s

@@ -25,9 +25,9 @@ import torch
 
 from specflow.cache_root import cache_root
 from specflow.errors import ConfigError
-from specflow.recycling import RecyclingTable
-from specflow.suffix_index import SuffixIndex
-from specflow.tree_plan import AcceptanceCalibration
+from stages.drafters.token_tree.recycling import RecyclingTable
+from stages.drafters.token_tree.suffix_index import SuffixIndex
+from stages.drafters.token_tree.tree_plan import AcceptanceCalibration
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Each round the pool asks ``select(stats)`` for a request's arm (a drafter), and after
 verification reports ``update(stats, arm, reward)`` with a reward in [0, 1] (see
-``stages.pool_drafter``).  ``begin(num_arms)`` starts a request with fresh statistics (MetaSD
+``stages.drafters.pool``).  ``begin(num_arms)`` starts a request with fresh statistics (MetaSD
 resets per request), unless ``reset=False``: then every request of the run shares one
 ``BanditStats``, so what earlier (and concurrent) requests taught carries over, and the
 exploration of the first rounds is paid once per run instead of once per request.
@@ -124,7 +124,7 @@ class UCBSelector:
     def select(self, stats: BanditStats) -> int:
         stats.rounds += 1
         index = ucb_index(stats.sums, stats.counts, self.c)  # untried arms first (inf)
-        if stats.penalties:  # a pool's switch costs (stages.pool_drafter)
+        if stats.penalties:  # a pool's switch costs (stages.drafters.pool)
             index = [u - p for u, p in zip(index, stats.penalties, strict=True)]
         return argmax(index)
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from specflow.drafting import SubVocabHead, draft_with_model
 from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
 from specflow.models.resolve import as_layered_lm
-from specflow.protocols import DraftPart, ModelUse
-from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
+from specflow.protocols import ModelUse
+from specflow.state import DecodeState, Draft, RequestLocal
+from stages.drafters.base import DrafterDefaults, check_k
 
 
-class ModelDrafter:
+class ModelDrafter(DrafterDefaults):
     """Draft with ``model`` at ``exit_layer`` (default: its last layer).
 
     Args:
@@ -41,7 +40,6 @@ class ModelDrafter:
     """
 
     name = "model"
-    branches = 1  # chains only (Drafter.branches)
 
     def __init__(
         self,
@@ -52,8 +50,7 @@ class ModelDrafter:
         vocab_subset: int | None = None,
         context_window: int | None = None,
     ) -> None:
-        if k < 1:
-            raise ConfigError(f"drafter.k must be >= 1, got {k}")
+        self.k = check_k(k)
         if not 0.0 <= min_confidence < 1.0:
             raise ConfigError(f"drafter.min_confidence must be in [0, 1), got {min_confidence}")
         self.min_confidence = min_confidence
@@ -67,7 +64,6 @@ class ModelDrafter:
                 f"drafter.exit_layer={exit_layer} is outside 1..{depth} "
                 f"({self.lm.info.name} has {depth} layers)"
             )
-        self.k = k
         if vocab_subset is not None:
             if vocab_subset < 1:
                 raise ConfigError(f"drafter.vocab_subset must be >= 1 or null, got {vocab_subset}")
@@ -100,22 +96,9 @@ class ModelDrafter:
         for st in states:
             self._subvocab.set(st, self._build_subvocab(st))
 
-    def next_part(self, state: DecodeState) -> DraftPart:
-        """One part, drafting its k whenever asked (``Drafter.next_part``)."""
-        return DraftPart("", self.k, self.k)
-
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         subvocabs = [self._subvocab.get(st) for st in states]
         return draft_with_model(
             states, self.lm, self.exit_layer, asked, self.min_confidence, subvocabs=subvocabs,
             window=self.context_window,
         )
-
-    def observe(
-        self,
-        states: list[DecodeState],
-        drafts: list[Draft],
-        target_logits: list[torch.Tensor],
-        verdicts: list[Acceptance],
-    ) -> None:
-        pass

@@ -65,17 +65,16 @@ import torch
 
 from specflow.catchup import CatchUp, catch_up, positions_behind
 from specflow.errors import ConfigError
-from specflow.kv.base import ModelInfo
 from specflow.protocols import (
     BanditStats,
     Drafter,
-    DraftPart,
     ModelUse,
     Selector,
     draft_limit,
 )
 from specflow.sampling import warp
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
+from stages.drafters.base import ComposedDrafter
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class PoolRequest:
     pending: PendingRound | None = None
 
 
-class PoolDrafter:
+class PoolDrafter(ComposedDrafter):
     """A pool of drafters with a per-round selector (see module doc).
 
     Args:
@@ -151,6 +150,10 @@ class PoolDrafter:
         switch_horizon: for ``rate``: the rounds over which an arm's catch-up is spread
             when weighing a switch to it (see module doc); ``None``: no switch cost.
         name: the drafter's name.
+
+    The arms are its parts (``ComposedDrafter``: their models, sessions and ``begin``); it
+    is one part for a draft-length policy (``next_part``), as the selector chooses the arm
+    inside ``propose``, after the length is asked.
     """
 
     def __init__(
@@ -174,7 +177,7 @@ class PoolDrafter:
             if not isinstance(arm, Drafter):
                 raise ConfigError(
                     f"drafter.drafters.{name_} is not a drafter ({type(arm).__name__}); "
-                    f"give a _target_ node such as stages.pld_drafter.PLDDrafter"
+                    f"give a _target_ node such as stages.drafters.pld.PLDDrafter"
                 )
         if not isinstance(selector, Selector):
             raise ConfigError(
@@ -195,6 +198,7 @@ class PoolDrafter:
         self.reward = reward
         self._step_s = math.inf  # t_ref: the shortest verification seen in the run (rate)
         self.name = name
+        self.parts = tuple(self.arms)
         self.k = max(arm.k for arm in self.arms)
         self.branches = max(arm.branches for arm in self.arms)
         self.rate_scale = float(self.k + 1) if rate_scale is None else rate_scale
@@ -208,27 +212,12 @@ class PoolDrafter:
             lambda _state: PoolRequest(self.selector.begin(len(self.arms)))
         )
 
-    def models(self) -> list[ModelInfo]:
-        infos: list[ModelInfo] = []
-        for arm in self.arms:
-            infos += arm.models()
-        return infos
-
-    def uses(self) -> list[ModelUse]:
-        return [use for uses in self._uses for use in uses]
-
     def begin(self, states: list[DecodeState]) -> None:
         """New requests: every arm prefills, each request's selector statistics start
         (fresh: MetaSD resets per request; or the run's, with ``reset=False``)."""
-        for arm in self.arms:
-            arm.begin(states)
+        super().begin(states)
         for st in states:
             self._request.set(st, PoolRequest(self.selector.begin(len(self.arms))))
-
-    def next_part(self, state: DecodeState) -> DraftPart:
-        """One part: the selector chooses the arm inside ``propose``, after the length is
-        asked (``Drafter.next_part``)."""
-        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         """Each request's selector picks its arm; each arm drafts for its requests at once."""

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specflow.errors import ConfigError
-from specflow.kv.base import ModelInfo
-from specflow.protocols import Drafter, DraftPart, ModelUse, draft_limit
+from specflow.protocols import Drafter, draft_limit
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
+from stages.drafters.base import ComposedDrafter
 
 
 @dataclass
@@ -85,7 +85,7 @@ def _kept_prefix(path: list[int], nodes: list[int]) -> list[int]:
     return kept
 
 
-class MergedTreeDrafter:
+class MergedTreeDrafter(ComposedDrafter):
     """``chain``'s chain and ``tree``'s tree, merged into one tree a round (module doc).
 
     Args:
@@ -104,24 +104,11 @@ class MergedTreeDrafter:
                               f"{chain.branches}: put the tree drafter in drafter.tree")
         self.chain = chain
         self.tree = tree
+        self.parts = (chain, tree)
         self.extra_nodes = extra_nodes
         self.k = max(chain.k, tree.k)
         self.branches = max(2, tree.branches)
         self._rounds: RequestLocal[MergedRound] = RequestLocal(lambda _state: MergedRound())
-
-    def models(self) -> list[ModelInfo]:
-        return self.chain.models() + self.tree.models()
-
-    def uses(self) -> list[ModelUse]:
-        return self.chain.uses() + self.tree.uses()
-
-    def begin(self, states: list[DecodeState]) -> None:
-        self.chain.begin(states)
-        self.tree.begin(states)
-
-    def next_part(self, state: DecodeState) -> DraftPart:
-        """One part, drafting its k whenever asked (``Drafter.next_part``)."""
-        return DraftPart("", self.k, self.k)
 
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:
         chains = self.chain.propose(states, [draft_limit(self.chain, n) for n in asked])

@@ -2,18 +2,18 @@
 
 No model drafts.  Two sources propose each node's children, both free to query:
 
-- **suffix matching** (``specflow.suffix_index.SuffixIndex``): the continuations of the
+- **suffix matching** (``suffix_index.SuffixIndex``): the continuations of the
   context's longest suffix seen before, in the request's prompt and output and in the run's
   earlier requests, ranked by how often the corpus continued that way (prompt lookup is the
   case of one occurrence and one chain);
-- **token recycling** (``specflow.recycling.RecyclingTable``): each token's top-w
+- **token recycling** (``recycling.RecyclingTable``): each token's top-w
   successors as the target's own verification logits showed them at earlier positions
   (rejected draft positions too), kept across the run's requests.
 
 A round, per request: the children of a node are the union of both sources' proposals
 (a token both propose once, with the larger estimate); each proposal's estimate ``p`` that
 the target keeps it given its parent was kept is calibrated online per evidence bin
-(``specflow.tree_plan.AcceptanceCalibration``: the suffix's match length, count ratio and
+(``tree_plan.AcceptanceCalibration``: the suffix's match length, count ratio and
 support; the recycled probability).  The tree grows best first by path probability
 (``grow_tree``) to depth ``asked`` and at most ``max_nodes`` nodes, then the whole batch's
 trees are cut to the size that maximizes expected committed tokens per step-equivalent of
@@ -31,7 +31,8 @@ chains for every request (then any acceptor, FLy included, can verify them).
 After verification (``observe``) every verified position's target logits update the
 recycling table, and every node whose parent was kept counts for its bins' calibration.
 All three live as long as the drafter (a run); with ``keep`` they are also kept on disk per
-target and weights (``specflow.kept_tables``), so the next run starts where this one stopped.
+target and weights (``kept_tables``), so the next run starts where this one stopped.
+Those four helpers are the modules beside this one in ``stages/drafters/token_tree/``.
 """
 
 from __future__ import annotations
@@ -50,15 +51,20 @@ import torch
 from specflow.costs import RowPrices
 from specflow.cpu.row_padding import row_prices, row_probe
 from specflow.errors import ConfigError
-from specflow.kept_tables import TargetKey, default_tables_dir, load_tables, save_tables
-from specflow.kv.base import LayeredLM, ModelInfo
+from specflow.kv.base import LayeredLM
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
-from specflow.protocols import DraftPart, ModelUse
-from specflow.recycling import RecyclingTable
 from specflow.state import Acceptance, DecodeState, Draft, RequestLocal
-from specflow.suffix_index import SuffixIndex, TrieNode
-from specflow.tree_plan import (
+from stages.drafters.base import DrafterDefaults, check_k
+from stages.drafters.token_tree.kept_tables import (
+    TargetKey,
+    default_tables_dir,
+    load_tables,
+    save_tables,
+)
+from stages.drafters.token_tree.recycling import RecyclingTable
+from stages.drafters.token_tree.suffix_index import SuffixIndex, TrieNode
+from stages.drafters.token_tree.tree_plan import (
     AcceptanceCalibration,
     Candidate,
     PlannedTree,
@@ -109,7 +115,7 @@ class _IndexedTokens:
     tokens: list[int] | None = None
 
 
-class TokenTreeDrafter:
+class TokenTreeDrafter(DrafterDefaults):
     """Token trees from suffix matches and recycled target logits (module doc).
 
     Args:
@@ -125,7 +131,7 @@ class TokenTreeDrafter:
         row_cost: the price of a verify row beyond the first, in steps, where the target
             has no row probe (``None``: 0.1 on a CPU, 0 elsewhere).
         keep: a folder where the tables (recycling, the suffix index's sequences, the
-            calibration) are kept across runs of this target (``specflow.kept_tables``):
+            calibration) are kept across runs of this target (``kept_tables``):
             read at construction, written when requests join and at most every
             ``keep_every_s`` seconds of drafting, and at exit if the drafter still exists
             (so at most the last ``keep_every_s`` seconds of learning are lost); ``"default"``:
@@ -141,8 +147,7 @@ class TokenTreeDrafter:
                  max_nodes: int = 12, min_path_prob: float = 0.01,
                  calibration_strength: float = 4.0, row_cost: float | None = None,
                  keep: str | None = None, keep_every_s: float = 10.0) -> None:
-        if k < 1:
-            raise ConfigError(f"drafter.k must be >= 1, got {k}")
+        self.k = check_k(k)
         if branches < 1:
             raise ConfigError(f"drafter.branches must be >= 1 (1: chains), got {branches}")
         if max_nodes < 1:
@@ -153,7 +158,6 @@ class TokenTreeDrafter:
                 "(conf/drafter/suffix_recycle.yaml has both)"
             )
         self.lm: LayeredLM | None = None if model is None else as_layered_lm(model)
-        self.k = k
         self.branches = branches
         self.suffix = suffix
         self.recycling = recycling
@@ -179,12 +183,6 @@ class TokenTreeDrafter:
             load_tables(self.keep, self._key, self.recycling, self.suffix, self.calibration)
             atexit.register(_save_at_exit, weakref.ref(self))  # not keeping the model alive
 
-    def models(self) -> list[ModelInfo]:
-        return []
-
-    def uses(self) -> list[ModelUse]:
-        return []
-
     def begin(self, states: list[DecodeState]) -> None:
         """Each request's tokens join the suffix index (read as they grow)."""
         if self.suffix is not None:
@@ -199,10 +197,6 @@ class TokenTreeDrafter:
         if self.keep is not None:
             save_tables(self.keep, self._key, self.recycling, self.suffix, self.calibration)
             self._saved_at = time.monotonic()
-
-    def next_part(self, state: DecodeState) -> DraftPart:
-        """One part, asked for up to its k (``Drafter.next_part``)."""
-        return DraftPart("", self.k, self.k)
 
     # ------------------------------------------------------------------ drafting
     def propose(self, states: list[DecodeState], asked: list[int]) -> list[Draft]:

@@ -1,16 +1,7 @@
-"""Draft-length policies (config group ``draft_length``): how many tokens a round asks for.
+"""Draft length ``adaptive``: a cost model measured online per request, maximizing expected
+tokens per second, k = 0 (skip drafting: a plain decoding round) included.
 
-Each round the engine offers a policy ``limit = min(drafter.k, budget - 1)`` (the drafter's
-maximum, never past ``max_new_tokens``) and the policy returns the asked length in
-``0..limit`` (glossary: ``specflow.state``); after the round it reports what happened in a
-``RoundReport``.  User guide: docs/methods.md, section "Draft length".
-
-- ``FixedDraftLength``: always the limit (the default when no policy is set).
-- ``HeuristicDraftLength``: Hugging Face's rule: +2 after a fully accepted draft, -1 otherwise.
-- ``AdaptiveDraftLength``: a cost model measured online per request, maximizing expected
-  tokens per second, k = 0 (skip drafting: a plain decoding round) included.
-
-The adaptive model.  Draft tokens are accepted one after the other with probability alpha
+Draft tokens are accepted one after the other with probability alpha
 (a geometric model), so a round drafting k tokens commits on average
 
     E[tokens | k] = (1 - alpha^(k+1)) / (1 - alpha)            (bonus included)
@@ -94,50 +85,6 @@ from dataclasses import dataclass, field
 from specflow.costs import RowPrices
 from specflow.errors import ConfigError
 from specflow.state import DecodeState, RequestLocal, RoundReport
-
-
-class FixedDraftLength:
-    """Always the limit (the drafter's k, capped near the end of generation)."""
-
-    def begin(self, state: DecodeState) -> None:
-        pass
-
-    def use_prices(self, prices: RowPrices | None) -> None:
-        pass
-
-    def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
-        return limit
-
-    def observe(self, state: DecodeState, report: RoundReport) -> None:
-        pass
-
-
-class HeuristicDraftLength:
-    """HF's assisted-generation schedule: k += 2 after full acceptance, else k -= 1 (>= 1);
-    one k per part of the drafter."""
-
-    def __init__(self, initial: int = 4) -> None:
-        if initial < 1:
-            raise ConfigError(f"draft_length.initial must be >= 1, got {initial}")
-        self.initial = initial
-        # Per request: each part's current k.
-        self._k: RequestLocal[dict[str, int]] = RequestLocal(lambda _state: {})
-
-    def begin(self, state: DecodeState) -> None:
-        self._k.set(state, {})
-
-    def use_prices(self, prices: RowPrices | None) -> None:
-        pass
-
-    def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
-        return min(self._k.get(state).get(part, self.initial), limit)
-
-    def observe(self, state: DecodeState, report: RoundReport) -> None:
-        if report.drafted == 0:
-            return
-        ks = self._k.get(state)
-        k = ks.get(report.part, self.initial)
-        ks[report.part] = k + 2 if report.accepted == report.drafted else max(1, k - 1)
 
 
 @dataclass

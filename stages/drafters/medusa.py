@@ -30,9 +30,10 @@ from specflow.models.medusa_head import (
 )
 from specflow.models.native import NativeLM
 from specflow.models.resolve import as_layered_lm
-from specflow.protocols import DraftPart, ModelUse
+from specflow.protocols import ModelUse
 from specflow.sampling import choose
-from specflow.state import Acceptance, DecodeState, Draft
+from specflow.state import DecodeState, Draft
+from stages.drafters.base import DrafterDefaults, check_k
 
 
 def cartesian_tree(top_ids: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -53,7 +54,7 @@ def cartesian_tree(top_ids: list[list[int]]) -> tuple[list[int], list[int]]:
     return nodes, parents
 
 
-class MedusaDrafter:
+class MedusaDrafter(DrafterDefaults):
     """Draft with Medusa heads of the target ``model`` (module doc).
 
     Args:
@@ -69,8 +70,7 @@ class MedusaDrafter:
 
     def __init__(self, model: object, heads: str = "default", k: int = 4, top: int | list[int] = 1
                  ) -> None:
-        if k < 1:
-            raise ConfigError(f"drafter.k must be >= 1, got {k}")
+        check_k(k)
         self.lm = as_layered_lm(model)
         if not isinstance(self.lm, NativeLM):
             raise ConfigError(
@@ -102,9 +102,6 @@ class MedusaDrafter:
     def begin(self, states: list[DecodeState]) -> None:
         for st in states:
             st.session(self.lm).retain_final_from(0)
-
-    def next_part(self, state: DecodeState) -> DraftPart:
-        return DraftPart("", self.k, self.k)
 
     def _model(self, state: DecodeState) -> MedusaDraftModel:
         placed = state.session(self.lm).model
@@ -151,7 +148,3 @@ class MedusaDrafter:
                 drafts[i] = Draft([int(t) for t in picked], probs)
             st.session(self.lm).retain_final_from(len(st.tokens) - 1)
         return drafts
-
-    def observe(self, states: list[DecodeState], drafts: list[Draft],
-                target_logits: list[torch.Tensor], verdicts: list[Acceptance]) -> None:
-        pass

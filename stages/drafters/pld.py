@@ -8,12 +8,11 @@ deterministic: q is one-hot (``Draft.probs is None``).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from specflow.errors import ConfigError
-from specflow.kv.base import ModelInfo
-from specflow.protocols import DraftPart, ModelUse
-from specflow.state import Acceptance, DecodeState, Draft
+from specflow.protocols import DraftPart
+from specflow.state import DecodeState, Draft
+from stages.drafters.base import DrafterDefaults, check_k
 
 
 def lookup_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -34,7 +33,7 @@ def lookup_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: in
     return []
 
 
-class PLDDrafter:
+class PLDDrafter(DrafterDefaults):
     """Prompt lookup drafter (see module doc).
 
     Args:
@@ -44,27 +43,15 @@ class PLDDrafter:
     """
 
     name = "pld"
-    branches = 1  # chains only (Drafter.branches)
 
     def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if k < 1:
-            raise ConfigError(f"drafter.k must be >= 1, got {k}")
+        self.k = check_k(k)
         if not 1 <= min_ngram <= max_ngram:
             raise ConfigError(
                 f"need 1 <= drafter.min_ngram <= drafter.max_ngram, got {min_ngram} and {max_ngram}"
             )
-        self.k = k
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-
-    def begin(self, states: list[DecodeState]) -> None:
-        pass
-
-    def models(self) -> list[ModelInfo]:
-        return []
-
-    def uses(self) -> list[ModelUse]:
-        return []
 
     def next_part(self, state: DecodeState) -> DraftPart:
         """One part; ``available``: the tokens the latest match continues with (0: none)."""
@@ -76,12 +63,3 @@ class PLDDrafter:
             Draft(lookup_continuation(st.tokens, k, self.max_ngram, self.min_ngram))
             for st, k in zip(states, asked, strict=True)
         ]
-
-    def observe(
-        self,
-        states: list[DecodeState],
-        drafts: list[Draft],
-        target_logits: list[torch.Tensor],
-        verdicts: list[Acceptance],
-    ) -> None:
-        pass

@@ -9,7 +9,7 @@ most recent context wins) and the target's probability of each successor:
     ids[x]   = top-w token ids of softmax(logits at a position whose input token was x)
     probs[x] = their probabilities (float16)
 
-Drafting reads it level by level (``stages.token_tree_drafter``): a node's children are
+Drafting reads it level by level (``stages.drafters.token_tree.drafter``): a node's children are
 ``ids[node.token]``.  The table lives as long as the drafter (a run: every request of it),
 so later requests start from what earlier ones taught.  Memory: ``V * w * 6`` bytes, e.g.
 Qwen2.5's 151,936-token vocabulary at w = 8: 7.3 MB (int32 ids and float16 probabilities),
