@@ -7,9 +7,17 @@
   type-only and lazy (in a function) ones included.
 - ``specflow/models/`` imports nothing of ``specflow/kv/`` but ``kv/base`` (the protocols the
   models implement), and ``specflow/kv/`` never imports ``specflow/models/``.
+- The stage protocols (``specflow.protocols``) reach nothing of ``specflow/models/``, even
+  through other modules, and no model imports them.
+- ``specflow/cpu/``: the detection and the kernels import nothing of ``specflow/models/``;
+  the row probe and the whole-pass check, which measure a loaded native model, import
+  ``specflow.models.native`` and nothing else of ``models/``.
+- A stage (``stages/<role>/``) imports ``specflow`` and, of the repository's own packages,
+  only its own role's package: never another role, ``callbacks``, ``train_heads`` or ``run``.
 
-Every ``.py`` under ``specflow/`` is parsed with ``ast`` (not imported), so a forbidden import
-anywhere, even inside a function or an ``if TYPE_CHECKING:`` block, fails here.
+Every ``.py`` under ``specflow/`` and ``stages/`` is parsed with ``ast`` (not imported), so a
+forbidden import anywhere, even inside a function or an ``if TYPE_CHECKING:`` block, fails
+here.
 """
 
 from __future__ import annotations
@@ -225,3 +233,95 @@ def test_checker_catches_forbidden_imports(source: str):
 )
 def test_checker_allows_core_imports(source: str):
     assert not forbidden_imports(source)
+
+
+# ------------------------------------------------------------ the stage protocols, the CPU
+def _deps(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module of ``graph`` that ``module`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_models_do_not_import_the_stage_protocols():
+    """``specflow.protocols`` declares the roles stages play; the models implement the
+    ``kv.base`` protocols and never climb up to the stages' roles."""
+    graph = import_graph()
+    bad = sorted(f"{mod} -> {dep}" for mod, deps in graph.items() for dep in deps
+                 if mod.startswith("specflow.models.") and dep == "specflow.protocols")
+    assert bad == [], bad
+
+
+def test_stage_protocols_reach_no_model():
+    """``specflow.protocols`` (and all it imports) imports nothing of ``specflow/models/``
+    (nor the row probe): it types what it needs against ``kv.base`` and ``specflow.costs``."""
+    graph = import_graph()
+    bad = sorted(d for d in _deps(graph, "specflow.protocols")
+                 if d.startswith("specflow.models") or d == "specflow.cpu.row_padding")
+    assert bad == [], f"specflow.protocols reaches {bad}"
+
+
+def test_cpu_package_reaches_models_only_to_measure_a_native_model():
+    """``specflow/cpu/``: the detection and the kernels import nothing of ``specflow/models/``;
+    the row probe and the whole-pass check measure a loaded native model and import
+    ``specflow.models.native``, nothing else of ``models/`` (the package doc)."""
+    graph = import_graph()
+    measuring = {"specflow.cpu.row_padding", "specflow.cpu.whole_pass"}
+    bad = sorted(
+        f"{mod} -> {dep}"
+        for mod, deps in graph.items() if mod == "specflow.cpu" or mod.startswith("specflow.cpu.")
+        for dep in deps if dep.startswith("specflow.models")
+        and not (mod in measuring and dep == "specflow.models.native")
+    )
+    assert bad == [], bad
+
+
+STAGES = ROOT / "stages"
+
+
+def stage_files() -> list[Path]:
+    return sorted(p for p in STAGES.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _top_level_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every absolute import in ``source`` (anywhere in it)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            found.append((node.lineno, "." * node.level + (node.module or "")))
+    return found
+
+
+# The repository's own top-level packages and modules, besides ``specflow``.
+OWN = ("stages", "callbacks", "train_heads", "tests", "run", "scripts", "conf")
+
+
+@pytest.mark.parametrize("path", stage_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_stages_import_only_the_core_and_their_own_role(path: Path):
+    """A stage imports ``specflow`` and, of ``stages``, only its own role's package
+    (``stages/drafters/`` its drafter helpers, ``stages/drafters/token_tree/`` its tables):
+    never another role's package, ``callbacks``, ``train_heads`` or ``run``."""
+    rel = path.relative_to(STAGES).parts
+    role = f"stages.{rel[0]}" if len(rel) > 1 else None
+    bad = []
+    for line, name in _top_level_imports(path.read_text()):
+        top = name.split(".")[0]
+        if name.startswith("."):
+            bad.append(f"{line}: {name} (relative)")
+        elif top in OWN and not (role and (name == role or name.startswith(role + "."))):
+            bad.append(f"{line}: {name}")
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_stage_files_found():
+    roles = {p.relative_to(STAGES).parts[0] for p in stage_files() if p.parent != STAGES}
+    assert roles == {"acceptors", "drafters", "draft_length", "selectors", "verifiers"}
