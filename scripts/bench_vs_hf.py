@@ -233,7 +233,8 @@ def hf_generate(name: str, lookup: bool, cache: dict[str, Any]) -> Generate:
 def llamacpp_generate(m: Method, threads: int) -> Generate:
     """llama.cpp in the mode the name says, on the GGUF of the method's target (and of its
     first other model, the draft model, for ``llamacpp_draft``)."""
-    from specflow.llamacpp import LlamaCppDecoder, gguf_path
+    from specflow.llamacpp import LlamaCppDecoder
+    from specflow.models.prepare import gguf_path
 
     mode = m.name.removeprefix("llamacpp_")
     target = m.cfg.model.name
@@ -405,7 +406,9 @@ def machine_table(rep: dict, common: list[str], wall_s: float) -> str:
     last = {o.split("=")[0]: o for o in common}  # the later of two values of one key
     lines = [f"On this machine: {cpu['model']} (torch ISA {cpu['isa']}), "
              f"{machine_description()['torch_threads']} threads; every method with "
-             f"`{' '.join(last.values())}`; wall time {wall_s / 60:.1f} min", "",
+             f"`{' '.join(last.values())}`; plain decoding (`{rep['reference']}`) "
+             f"{_f(rep['methods'][rep['reference']]['tokens_per_s'], '{:.1f}')} tokens/s; "
+             f"wall time {wall_s / 60:.1f} min", "",
              "| pipeline | command | CPU (torch ISA) | × plain | × plain TPOT |",
              "|---|---|---|---|---|"]
     for name, m in rep["methods"].items():

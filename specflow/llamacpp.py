@@ -1,7 +1,8 @@
 """llama.cpp as a baseline: greedy decoding of a model's GGUF file through llama.cpp's C API.
 
-The models specflow installs are GGUF files (``specflow.models.registry``); specflow decodes
-them dequantized to fp32, llama.cpp decodes the file as it is (its quantized kernels).  This
+The models specflow installs are GGUF files (``specflow.models.registry``; the file:
+``specflow.models.prepare.gguf_path``); specflow decodes them dequantized to fp32 (or their
+quantized blocks, ``model.weights=gguf``), llama.cpp decodes the file with its own kernels.  This
 module runs llama.cpp on the same prompt token ids specflow builds (the chat template of
 specflow's tokenizer; the GGUF's vocabulary is the same), greedily, and times each request's
 first token (TTFT) and the rest, so that it can stand as one more method of a benchmark
@@ -52,22 +53,6 @@ def import_llama_cpp() -> Any:
             f"{LLAMA_CPP_REQUIREMENT}` (builds llama.cpp, about 5 minutes on 2 cores)"
         ) from None
     return llama_cpp
-
-
-def gguf_path(name: str) -> Path:
-    """The GGUF file of registry model ``name``: the packaged file where the model ships as
-    one, else ``<cache>/gguf/<file>``, assembled from the installed part packages (and its
-    sha256 checked) where it is not there yet."""
-    from specflow.cache_root import cache_root
-    from specflow.models.prepare import assemble_gguf
-    from specflow.models.registry import get_entry
-
-    entry = get_entry(name)
-    parts = entry.source.part_paths()
-    if len(parts) == 1:
-        return parts[0]
-    dest = cache_root() / "gguf" / entry.gguf_file
-    return dest if dest.is_file() else assemble_gguf(entry, dest, progress=False)
 
 
 @dataclass

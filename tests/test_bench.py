@@ -147,3 +147,13 @@ def test_tiny_run_end_to_end(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert rep["methods"]["llamacpp_lookup"]["identical_to"] == "llamacpp_plain"
     text = (tmp_path / "report.md").read_text()
     assert "| pipeline | command |" in text and "`python run.py +experiment=default`" in text
+
+
+def test_any_model_setting_is_one_more_method(bench) -> None:
+    """A model setting (quantized GGUF weights) beside the same pipeline in float weights."""
+    methods = bench.compose_methods(["model=smollm2-135m"], [
+        ["ar=+experiment=ar"], ["+experiment=pld"],
+        ["pld_gguf=+experiment=pld model.weights=gguf"]])
+    assert [m.name for m in methods] == ["ar", "pld", "pld_gguf"]
+    assert methods[2].overrides == ["+experiment=pld", "model.weights=gguf"]
+    assert (methods[1].cfg.model.weights, methods[2].cfg.model.weights) == ("float", "gguf")

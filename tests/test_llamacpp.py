@@ -39,8 +39,8 @@ def test_plain_lookup_and_draft_give_the_same_tokens() -> None:
         pytest.skip("smollm2-135m's package is not installed (bash scripts/setup.sh)")
     from transformers import AutoTokenizer
 
-    from specflow.llamacpp import LlamaCppDecoder, gguf_path
-    from specflow.models.prepare import prepared_dir
+    from specflow.llamacpp import LlamaCppDecoder
+    from specflow.models.prepare import gguf_path, prepared_dir
 
     tok = AutoTokenizer.from_pretrained(prepared_dir("smollm2-135m"))
     text = "Repeat this list twice: apple, banana, cherry, date, elderberry, fig, grape."
