@@ -7,7 +7,8 @@ module runs llama.cpp on the same prompt token ids specflow builds (the chat tem
 specflow's tokenizer; the GGUF's vocabulary is the same), greedily, and times each request's
 first token (TTFT) and the rest, so that it can stand as one more method of a benchmark
 table (``scripts/bench_vs_hf.py``).  Modes, all greedy and meant to give plain decoding's
-tokens:
+tokens (llama.cpp's kernels for several rows need not give its one-row results bit for bit,
+so a near tie may go another way; the benchmark's identical-output column counts it):
 
 - ``plain``: one token per decoding call;
 - ``lookup``: prompt lookup: ``LlamaPromptLookupDecoding``'s n-gram search (llama-cpp-python's
