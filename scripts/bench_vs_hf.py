@@ -116,6 +116,9 @@ def parse_method(words: list[str]) -> tuple[str | None, list[str]]:
     leading ``NAME=`` is a name where what follows it is empty or starts with an override
     (``pld_sps_fixed=+experiment=pld_sps draft_length=fixed``), not a value
     (``draft_length=fixed`` is an override)."""
+    if len(words) > 2:
+        raise ConfigError(f"--method {' '.join(words)}: give [NAME=]OVERRIDES as one argument "
+                          f"(quoted) or NAME and OVERRIDES as two")
     if len(words) == 2:
         return words[0], shlex.split(words[1])
     text = words[0]

@@ -52,6 +52,13 @@ def test_parse_method_two_words(bench) -> None:
         "eagle", ["+experiment=eagle", "drafter.k=6"])
 
 
+def test_parse_method_refuses_three_words(bench) -> None:
+    from specflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="quoted"):
+        bench.parse_method(["x", "+experiment=pld", "drafter.k=4"])
+
+
 @pytest.mark.parametrize("preset", ["full", "quick"])
 def test_each_default_method_composes_with_its_name_and_overrides(bench, preset: str) -> None:
     common, methods = bench.PRESETS[preset]
