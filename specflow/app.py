@@ -113,6 +113,7 @@ def prepare_run(cfg: DictConfig, out: Path) -> PreparedRun:
             trust_remote_code=cfg.model.trust_remote_code,
             packed_weights=cfg.model.packed_weights,
             cache_dir=settings.cache_dir,
+            weights=cfg.model.weights,
         )
     workload = instantiate_checked("workload", cfg.workload)
     callbacks = [

@@ -51,6 +51,9 @@ class ModelConfig:
             row counts where the row probe finds them faster (a draft model's steps); the
             outputs change slightly, so only draft models take it (the target is refused).
             null: none.
+        weights: ``float``: the weights as float tensors (a GGUF file dequantized);
+            ``gguf``: the GGUF file's quantized blocks as published, multiplied by the
+            quantized rows kernel (``specflow.models.gguf_native``; ``conf/model/*-gguf.yaml``).
     """
 
     name: str = MISSING
@@ -61,6 +64,7 @@ class ModelConfig:
     packed_weights: bool | None = MISSING
     min_rows: int | None = MISSING
     quantize: str | None = MISSING
+    weights: str = MISSING
 
 
 @dataclass

@@ -180,7 +180,9 @@ def test_model_values_come_from_conf_model_only():
     for option in sorted(p.stem for p in (CONF / "model").glob("*.yaml")):
         model = _compose([f"model={option}"]).model
         assert OmegaConf.missing_keys(model) == set(), option
-        assert model.name == option
+        variant = option.removesuffix("-gguf")  # the same model, its GGUF blocks as published
+        assert model.name == variant
+        assert model.weights == ("gguf" if variant != option else "float")
 
 
 def test_model_min_rows_reaches_the_loaded_model(tiny_models, deep_tiny):

@@ -190,14 +190,19 @@ def probe_min_rows(lm: NativeLM, candidates: Sequence[int] = CANDIDATES, layers:
     model has them and the float rows kernel's on the model's own matrices where it has
     them (``NativeLM.float_rows_layers``: counts up to ``MAX_ROWS_F32``); an unpacked model
     is never padded (``chosen`` 1; nothing timed unless it has int8 copies, whose rivals are
-    then its dense matrices)."""
+    then its dense matrices).  A GGUF-quantized model (``NativeLM.quantized``) is timed on
+    its one kernel at every count, for the prices only (``chosen`` 1)."""
     n = max(1, layers)
     used = [[getattr(w, m) for m in MATRICES] for w in lm.layers[:n]]
     int8 = [[getattr(w, m) for m in MATRICES] for w in lm.int8_layers[:n]]
     stacked = [[getattr(w, m) for m in MATRICES] for w in lm.float_rows_layers[:n]]
+    counts = [*candidates, *(r for r in priced if r not in candidates)]
+    if lm.quantized:  # GGUF blocks: one kernel at every count, never padded; priced
+        timed = time_rows(used, counts, repeats)
+        return RowProbe({r: timed[r] for r in candidates}, 1,
+                        {r: t for r, t in timed.items() if r not in candidates})
     if not lm.packed and not int8:
         return RowProbe({}, 1)
-    counts = [*candidates, *(r for r in priced if r not in candidates)]
     timed = time_rows(used, counts, repeats)  # the own matrices: packed, or dense
     seconds = {r: timed[r] for r in candidates}
     # the same layers dense (as many weights streamed: fewer would sit in the cache and

@@ -178,9 +178,12 @@ class KVSpec:
     head_dim: int
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
-    # Non-empty: the model needs attention whose bits do not depend on the rows beside a
-    # row, which the paged layout's padded batches do not give; the message names the fix.
-    why_not_paged: str = ""
+    # The model needs each query row attended exactly as a one-row step attends it (the
+    # same keys, the same ops, so the same bits) whatever rows are verified beside it: a
+    # GGUF-quantized model, whose 8-bit activations can turn a last-bit difference into
+    # another token.  The contiguous layout does it (``specflow.kv.contiguous``); the paged
+    # layout's padded batches cannot and refuse such a model.
+    row_exact: bool = False
 
 
 @dataclass(frozen=True)

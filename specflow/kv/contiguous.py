@@ -51,6 +51,7 @@ class KVCache:
         self.seq_id = seq_id
         self.attention = CONTIGUOUS
         self.tree: TreeLayout | None = None
+        self.row_exact = spec.row_exact  # attend each row as a one-row step (KVSpec)
 
     def truncate(self, n: int) -> None:
         """Forget positions ``>= n`` (no-op when ``n >= length``)."""
@@ -145,6 +146,8 @@ class ContiguousAttention:
         cache.length = e
         if tree is None and t >= SDPA_ROWS:
             return _sdpa_block(q, cache, s, e, scale, memo)
+        if cache.row_exact and t > 1:
+            return _rows_as_steps(q, cache, s, tree, scale)
         qf = q.transpose(0, 1).reshape(kh, (nh // kh) * t, d)  # [KH, r*T, D]
         keys_t = cache.k[:, :e].transpose(1, 2)  # [KH, D, e]
         if t == 1 and tree is None:
@@ -155,6 +158,38 @@ class ContiguousAttention:
             scores = torch.baddbmm(mask, qf, keys_t, alpha=scale)  # [KH, r*T, e]
         probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, cache.v[:, :e]).view(nh, t, d).transpose(0, 1)  # [T, NH, D]
+
+
+def _attend_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One query row as a decoding step attends it: ``q [KH, r, D]`` over ``keys, values
+    [KH, e, D]`` (every key visible) -> ``[KH, r, D]``."""
+    scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # [KH, r, e]
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, values)
+
+
+def _rows_as_steps(q: torch.Tensor, cache: KVCache, start: int, tree: TreeLayout | None,
+                   scale: float) -> torch.Tensor:
+    """``q [T, NH, D]`` of positions from ``start`` (written to the cache) -> ``[T, NH, D]``,
+    each row attended as a one-row step at its position attends it: a chain's row ``i`` over
+    the keys ``[0, start + i]`` (the same slice, the same two ``bmm``s), a tree's node over
+    the prefix and its own path, gathered in order (what decoding that path holds).  The
+    same bits as decoding, whatever the rows beside it (``KVSpec.row_exact``)."""
+    t, nh, d = q.shape
+    kh = cache.k.shape[0]
+    visible = None if tree is None else tree.visible(start, t, q.device)  # [T, s+T]
+    outs = []
+    for i in range(t):
+        qi = q[i : i + 1].transpose(0, 1).reshape(kh, nh // kh, d)  # [KH, r, D]
+        if visible is None:
+            e = start + i + 1
+            out = _attend_step(qi, cache.k[:, :e], cache.v[:, :e], scale)
+        else:
+            cols = visible[i].nonzero().flatten()  # the prefix, the ancestors, the node
+            out = _attend_step(qi, cache.k[:, cols], cache.v[:, cols], scale)
+        outs.append(out.view(nh, d))
+    return torch.stack(outs)  # [T, NH, D]
 
 
 # A causal block of at least this many new rows (a prefill, a long catch-up) is attended by

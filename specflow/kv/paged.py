@@ -416,6 +416,12 @@ def tree_visible(
 def paged_pool(lm: LayeredLM, num_blocks: int, block_size: int, attention: str) -> PagedKVCache:
     """A paged pool for ``lm``'s layers (``ConfigError`` if the model keeps its own cache)."""
     spec = lm.kv
-    if isinstance(spec, SelfManagedKV) or spec.why_not_paged:
+    if isinstance(spec, SelfManagedKV):
         raise ConfigError(spec.why_not_paged)
+    if spec.row_exact:
+        raise ConfigError(
+            f"{lm.info.name} needs each row attended exactly as a one-row step attends it "
+            f"(GGUF-quantized weights: their 8-bit activations can turn a last-bit difference "
+            f"into another token), which the paged layout's padded batches do not give: set "
+            f"runner.kv_layout=contiguous (or auto, contiguous on a CPU)")
     return PagedKVCache(spec, num_blocks=num_blocks, block_size=block_size, attention=attention)

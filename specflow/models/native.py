@@ -448,12 +448,8 @@ class NativeLM:
     @property
     def kv(self) -> KVSpec:
         """Keys/values per layer: ``num_kv_heads x head_dim`` in this model's dtype/device."""
-        why = "" if not self.quantized else (
-            f"{self.info.name} runs GGUF-quantized weights, whose 8-bit activations can turn "
-            f"the last bits the paged layout's padded batches change in attention into another "
-            f"token: set runner.kv_layout=contiguous (or auto, contiguous on a CPU)")
         return KVSpec(self.info.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-                      self.device, why)
+                      self.device, row_exact=self.quantized)
 
     def set_exit_heads(self, heads: dict[int, nn.Module], path: str | None = None,
                        adapters: dict[int, _Layer] | None = None) -> None:

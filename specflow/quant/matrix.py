@@ -13,6 +13,7 @@ and integer dot products, the same bits for a row whatever the rows beside it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,5 +180,7 @@ def part_from_numpy(ggml_type: int, data: np.ndarray, cols: int) -> QuantPart:
     if ggml_type in FLOAT_TYPES:
         values = torch.from_numpy(np.asarray(data)).reshape(-1, cols)
         return QuantPart(ggml_type, values.to(torch.float32).contiguous(), cols)
-    blocks = torch.from_numpy(np.ascontiguousarray(data)).view(torch.uint8)
+    with warnings.catch_warnings():  # a read-only memory map: the kernel only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(np.ascontiguousarray(data)).view(torch.uint8)
     return QuantPart(ggml_type, blocks.reshape(data.shape[0], -1), cols)

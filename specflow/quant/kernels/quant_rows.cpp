@@ -47,7 +47,11 @@ enum GgmlType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14,
 };
 
-constexpr int kRowsChunk = 16;
+constexpr int kRowsChunk = 16;  // rows a pass over the weights takes at most
+// Values a call multiplies (or quantizes) below which it runs on one thread: a parallel
+// region costs more than a small matrix's product, and far more where other processes hold
+// the cores (a thread the barrier waits for is not running).
+constexpr long kParallelWork = 1L << 20;
 #if defined(__AVX2__)
 constexpr bool kVectorRows = true;  // the rows take the scale vectors
 #else
@@ -303,7 +307,8 @@ void quantize_rows(const float* x, int M, long K, int block, int threads, Q8Rows
   out->d.resize(static_cast<size_t>(M) * (K / block));
   out->bsum.resize(static_cast<size_t>(M) * (K / 16));
   const long nb = K / block;
-#pragma omp parallel for schedule(static) collapse(2) num_threads(threads)
+#pragma omp parallel for schedule(static) collapse(2) num_threads(threads) \
+    if (static_cast<long>(M) * K >= kParallelWork)
   for (int m = 0; m < M; ++m) {
     for (long b = 0; b < nb; ++b) {
       const float* xs = x + m * K + b * block;
@@ -482,7 +487,8 @@ int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w,
   const long tiles = (N + kTile - 1) / kTile;
   for (int m0 = 0; m0 < M; m0 += kRowsChunk) {
     const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (static_cast<long>(mc) * N * K >= kParallelWork)
     for (long t = 0; t < tiles; ++t) {
       const long n0 = t * kTile;
       const long n1 = n0 + kTile < N ? n0 + kTile : N;

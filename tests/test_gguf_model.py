@@ -1,0 +1,204 @@
+"""A ``NativeLM`` over GGUF blocks as published (``model.weights=gguf``).
+
+Tiny Llama and Qwen2 models written as GGUF files in the tests (every block type the kernel
+multiplies, a Llama's q/k rows permuted as llama.cpp's converter does) compute what the HF
+model of the same (dequantized) weights computes, up to the 8-bit activations; every lossless
+pipeline gives the quantized model's own greedy tokens at batch 1 and 3 and, sampling, its
+law; the settings it cannot take are refused before loading, naming the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from specflow.engine import SpeculativePipeline
+from specflow.errors import ConfigError
+from specflow.kv.stores import KVLayout
+from specflow.models.gguf_native import loaded_bytes, native_from_gguf, unpermute_rows
+from specflow.models.loading import load_model
+from specflow.models.tiny import tiny_hf_model, tiny_model_info
+from specflow.sampling import SamplingParams
+from specflow.scheduler import Scheduler, SeqRequest
+from tests.conftest import law_pvalue, two_token_law
+from tests.gguf_tiny import dequantize, llama_permute, quantize, write_gguf
+from tests.test_one_engine import FullVerifier, StandardAcceptor, build
+
+# A type per tensor: every type the kernel multiplies, K-quants where a row is 256 or 512
+TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q8_0, "attn_v": T.Q6_K, "attn_output": T.Q5_0,
+         "ffn_gate": T.Q4_K, "ffn_up": T.Q4_1, "ffn_down": T.Q6_K, "token_embd": T.Q8_0,
+         "output": T.Q4_0}
+PROMPTS = [[1, 5, 9, 17, 33, 5, 9], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6], [2], [7, 7, 7, 7, 7, 7]]
+MAX_NEW = 20
+
+
+def tiny_gguf(arch: str, path, seed: int, num_layers: int, **overrides):
+    """(hf, the quantized NativeLM of its GGUF file, hf with the dequantized weights)."""
+    hf = tiny_hf_model(arch, seed=seed, num_layers=num_layers, hidden_size=256, **overrides)
+    write_gguf(hf, path, TYPES)
+    info = tiny_model_info(hf, f"tiny-gguf-{arch}-{seed}")
+    lm = native_from_gguf(path, hf.config, info)
+    return hf, lm, dequantized_twin(hf)
+
+
+def dequantized_twin(hf):
+    """A copy of ``hf`` whose matrices are the values its GGUF blocks decode to."""
+    twin = copy.deepcopy(hf)
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    with torch.no_grad():
+        for name, module in twin.named_modules():
+            key = name.rsplit(".", 1)[-1]
+            if key in names:
+                w = module.weight.float().numpy()
+                t = TYPES[names[key]]
+                module.weight.copy_(torch.from_numpy(dequantize(quantize(w, t), t)))
+        emb = twin.model.embed_tokens.weight
+        emb.copy_(torch.from_numpy(dequantize(quantize(emb.numpy(), T.Q8_0), T.Q8_0)))
+        if twin.lm_head.weight is not emb:
+            head = twin.lm_head.weight
+            head.copy_(torch.from_numpy(dequantize(quantize(head.numpy(), T.Q4_0), T.Q4_0)))
+    return twin
+
+
+@pytest.fixture(scope="module")
+def gguf_target(tmp_path_factory):
+    return tiny_gguf("llama", tmp_path_factory.mktemp("gguf") / "target.gguf", 3, 6)
+
+
+@pytest.fixture(scope="module")
+def gguf_drafter(tmp_path_factory):
+    return tiny_gguf("llama", tmp_path_factory.mktemp("gguf") / "drafter.gguf", 1, 2)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(gguf_target):
+    """The quantized target's own greedy tokens: plain decoding, one request at a time."""
+    lm = gguf_target[1]
+    return decode(build("ar", lm, lm), 1)
+
+
+def decode(pipe, batch_size: int, prompts=PROMPTS, max_new: int = MAX_NEW):
+    sched = Scheduler(pipe, batch_size, KVLayout(kind="contiguous"), max_context=64)
+    results = sched.generate([SeqRequest(p, max_new, tag=i) for i, p in enumerate(prompts)])
+    sched.kv.check_no_leaks()
+    by_tag = {r.request.tag: r.generation.tokens for r in results}
+    return [by_tag[i] for i in range(len(prompts))]
+
+
+def test_llama_q_k_rows_are_put_back_in_hf_order():
+    w = np.arange(4 * 8 * 3).reshape(4 * 8, 3)  # 4 heads of 8 rows
+    assert np.array_equal(llama_permute(w, 4)[unpermute_rows(32, 4)], w)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_quantized_model_computes_what_its_dequantized_weights_compute(arch, tmp_path):
+    # weights of a trained model's scale (the tiny default, 0.25, is chaotic: any rounding
+    # grows layer to layer)
+    hf, lm, twin = tiny_gguf(arch, tmp_path / "m.gguf", seed=4, num_layers=2,
+                             initializer_range=0.05)
+    assert lm.quantized and lm.kv.row_exact
+    prompt = torch.tensor([[1, 5, 9, 17, 33, 5, 9, 2, 40]])
+    with torch.no_grad():
+        want = twin(prompt).logits[0]  # [T, V]
+    got = pipe_logits(lm, prompt[0].tolist())  # [T, V]
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 0.03, rel  # the 8-bit activations' error, nothing larger
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+    assert loaded_bytes(lm) < sum(p.numel() * 4 for p in hf.parameters()) / 3
+
+
+def pipe_logits(lm, prompt: list[int]) -> torch.Tensor:
+    """The model's logits at every position of ``prompt`` (one prefill)."""
+    from specflow.kv.session import ModelSession
+
+    sess = ModelSession(lm, len(prompt) + 1)
+    sess.set_tokens(prompt)
+    return sess.logits(lm.info.num_layers, 0, len(prompt))
+
+
+METHODS = ["pld", "sps", "sps_pld", "pld_then_model", "self_spec", "hispec", "layer_skip",
+           "metasd_ucb", "fly_theta1"]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("method", METHODS)
+def test_every_pipeline_gives_the_quantized_models_own_greedy_tokens(method, batch_size,
+                                                                     gguf_target, gguf_drafter,
+                                                                     plain_tokens):
+    lm, draft_lm = gguf_target[1], gguf_drafter[1]
+    assert decode(build(method, lm, draft_lm), batch_size) == plain_tokens
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_token_trees_give_the_quantized_models_own_greedy_tokens(batch_size, gguf_target,
+                                                                 plain_tokens):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    lm = gguf_target[1]
+    node = OmegaConf.load("conf/drafter/suffix_recycle.yaml")
+    node.model = None
+    node.row_cost = 0.1
+    drafter = instantiate(node, model=lm)
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=drafter,
+                               name="suffix_recycle")
+    assert decode(pipe, batch_size) == plain_tokens
+
+
+def test_sampling_follows_the_quantized_targets_law(gguf_target, gguf_drafter):
+    lm = gguf_target[1]
+    sampling = SamplingParams(temperature=1.0, top_k=3)
+    pipe = build("sps", lm, gguf_drafter[1])
+    prompt = [1, 5, 9]
+    law = two_token_law(lm, prompt, sampling)
+    sched = Scheduler(pipe, 3, KVLayout(kind="contiguous"), max_context=16)
+    results = sched.generate([SeqRequest(prompt, 2, seed=s, stop_token_ids=())
+                              for s in range(600)], sampling)
+    assert law_pvalue(results, law) > 1e-3
+
+
+def test_the_paged_layout_is_refused_naming_the_fix(gguf_target):
+    pipe = build("pld", gguf_target[1], gguf_target[1])
+    with pytest.raises(ConfigError, match="runner.kv_layout=contiguous"):
+        Scheduler(pipe, 2, KVLayout(kind="paged", block_size=4), max_context=32)
+
+
+SETTINGS = dict(dtype="float32", backend="auto", trust_remote_code=False, packed_weights=None)
+
+
+@pytest.mark.parametrize("change,fix", [
+    ({"quantize": "int8"}, "model.quantize=null"),
+    ({"dtype": "bfloat16"}, "model.dtype=float32"),
+    ({"backend": "hf"}, "model.backend=auto"),
+    ({"packed_weights": True}, "model.packed_weights=null"),
+    ({"weights": "int4"}, "use one of float, gguf"),
+])
+def test_settings_gguf_weights_cannot_take_are_refused_before_loading(change, fix, tmp_path):
+    settings = {**SETTINGS, "weights": "gguf", **change}
+    with pytest.raises(ConfigError, match=fix):
+        load_model(str(tmp_path / "absent.gguf"), **settings)
+
+
+def test_a_folder_without_a_gguf_file_is_refused_naming_the_fix(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="model.weights=float"):
+        load_model(str(tmp_path), **SETTINGS, weights="gguf")
+
+
+def test_the_row_probe_prices_the_quantized_kernel_and_never_pads(gguf_target):
+    from specflow.cpu.row_padding import apply_min_rows, probe_min_rows, row_prices
+
+    lm = gguf_target[1]
+    probe = probe_min_rows(lm, candidates=(1, 2, 3), layers=2, repeats=1, priced=(5, 8))
+    assert probe.chosen == 1 and set(probe.seconds) == {1, 2, 3} and set(probe.priced) == {5, 8}
+    assert not probe.dense and not probe.int8 and not probe.float_rows
+    lm.row_probe = probe
+    apply_min_rows(lm, None)
+    assert lm.min_rows == 1 and not lm.dense_rows and not lm.float_rows
+    prices = row_prices(lm)
+    assert prices is not None and prices(1) == 1.0 and prices(8) >= prices(2) >= 1.0
