@@ -1,6 +1,7 @@
 """Where a forward of T new tokens spends its time, per op.
 
     python scripts/profile_step.py --model qwen2.5-coder-1.5b --context 300 --tokens 1,2,3,5,9
+    python scripts/profile_step.py --weights gguf --tokens 1,2,3,5,8,12 --no-profile
 
 For each T: a session holding ``--context`` positions runs a forward of T more positions
 (the verify of a draft of T-1 tokens; T = 1 is a plain decoding step), then rolls back.
@@ -42,6 +43,8 @@ def main() -> None:
         "--packed-weights", choices=["auto", "true", "false"], default="auto",
         help="oneDNN-packed matrices (auto: on a CPU in float32)",
     )
+    ap.add_argument("--weights", choices=["float", "gguf"], default="float",
+                    help="gguf: the GGUF file's quantized blocks (model.weights=gguf)")
     ap.add_argument("--int8", action="store_true",
                     help="every pass on int8 copies of the weights (model.quantize=int8)")
     args = ap.parse_args()
@@ -49,7 +52,7 @@ def main() -> None:
 
     packed = {"auto": None, "true": True, "false": False}[args.packed_weights]
     loaded = load_model(args.model, dtype=args.dtype, backend="auto", trust_remote_code=False,
-                        packed_weights=packed)
+                        packed_weights=packed, weights=args.weights)
     lm = loaded.lm
     if args.int8:
         lm.make_int8_copies()
@@ -77,7 +80,8 @@ def main() -> None:
             times[t].append(time.perf_counter() - t0)
     base = statistics.median(times[counts[0]])
     print(
-        f"{args.model} {args.dtype}, packed weights {getattr(lm, 'packed', False)}, int8 "
+        f"{args.model} {args.dtype}, weights {args.weights}, packed weights "
+        f"{getattr(lm, 'packed', False)}, int8 "
         f"{args.int8}, context "
         f"{args.context}, {torch.get_num_threads()} threads, median of {args.repeats}"
     )
