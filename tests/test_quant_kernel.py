@@ -1,7 +1,7 @@
 """The quantized rows kernel (``specflow.quant``): ggml blocks decoded as ggml decodes them,
 products within the 8-bit activations' error of the float product, a row's bits independent
-of the rows beside it and of the threads, and the AVX2 and portable builds giving the same
-bits."""
+of the rows beside it and of the threads, and the AVX-512, AVX2 and portable builds giving
+the same bits."""
 
 from __future__ import annotations
 
@@ -91,29 +91,44 @@ def test_parts_stack_and_bias_adds():
     assert torch.equal(quant_linear(x, fused.prefix(10), None), y[:, :10])
 
 
-@pytest.mark.skipif(kernel.cpu_build() != "avx2", reason="the CPU lacks AVX2, FMA or F16C")
+VECTOR_BUILDS = [b for b in ("avx512", "avx2") if b in kernel.runnable_builds()]
+
+
+@pytest.mark.skipif(not VECTOR_BUILDS, reason="the CPU lacks AVX2, FMA or F16C")
+@pytest.mark.parametrize("build", VECTOR_BUILDS)
+@pytest.mark.parametrize("rows", [1, 6, 11])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-def test_the_avx2_and_portable_builds_give_the_same_bits(ggml_type, monkeypatch):
+def test_each_vector_build_gives_the_portable_builds_bits(ggml_type, rows, build, monkeypatch):
+    """Every build this CPU runs (AVX-512 keeps up to 8 rows in registers, AVX2 4: 11 rows
+    take groups of 8 + 3 and 4 + 4 + 3) against the portable one."""
     matrix, _ = weights(ggml_type, n=19, seed=5)
-    x = torch.randn(6, K, generator=torch.Generator().manual_seed(6))
-    portable = kernel.load_build("portable")
-    assert portable.available, portable.why
-    avx2 = quant_linear(x, matrix, None)
-    monkeypatch.setattr("specflow.quant.matrix.kernel_status", lambda: portable)
-    assert portable.library.quant_rows_avx2() == 0
-    assert torch.equal(quant_linear(x, matrix, None), avx2)
-    assert torch.equal(matrix.rows_of(torch.arange(19)), dequantize(matrix.parts[0]))
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(6))
+    results = {}
+    for name in (build, "portable"):
+        loaded = kernel.load_build(name)
+        assert loaded.available, loaded.why
+        assert loaded.library.quant_rows_isa() == kernel.BUILD_ISA[name]
+        monkeypatch.setattr("specflow.quant.matrix.kernel_status", lambda k=loaded: k)
+        results[name] = (quant_linear(x, matrix, None), matrix.rows_of(torch.arange(19)))
+    assert torch.equal(results[build][0], results["portable"][0])
+    assert torch.equal(results[build][1], results["portable"][1])
+    assert torch.equal(results[build][1], dequantize(matrix.parts[0]))
 
 
 def test_the_cpu_build_follows_the_cpus_flags(monkeypatch):
-    monkeypatch.setattr(kernel, "cpuinfo_field", lambda key: "fpu sse2 avx2 fma f16c")
     monkeypatch.setattr(kernel.platform, "machine", lambda: "x86_64")
+    avx512 = "fpu sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni"
+    monkeypatch.setattr(kernel, "cpuinfo_field", lambda key: avx512)
+    assert kernel.runnable_builds() == ("avx512", "avx2", "portable")
+    monkeypatch.setattr(kernel, "cpuinfo_field", lambda key: avx512.replace(" avx512_vnni", ""))
+    assert kernel.cpu_build() == "avx2"
+    monkeypatch.setattr(kernel, "cpuinfo_field", lambda key: "fpu sse2 avx2 fma f16c")
     assert kernel.cpu_build() == "avx2"
     monkeypatch.setattr(kernel, "cpuinfo_field", lambda key: "fpu sse2 avx fma")
     assert kernel.cpu_build() == "portable"
     monkeypatch.setattr(kernel.platform, "machine", lambda: "aarch64")
     monkeypatch.setattr(kernel, "cpuinfo_field", lambda key: "fp asimd")
-    assert kernel.cpu_build() == "portable"
+    assert kernel.runnable_builds() == ("portable",)
 
 
 def test_a_switched_off_kernel_refuses_gguf_weights_naming_the_fix(monkeypatch):

@@ -7,14 +7,17 @@ call and multiplied into every row with integer dot products, and a row's result
 same bits whatever the other rows, their number or the threads -- so decoding one row and
 verifying ``k+1`` rows agree exactly, which lossless speculation needs.
 
-Two builds of the one source, chosen by probing the CPU:
+Three builds of the one source, chosen by probing the CPU:
 
-- ``avx2`` (``-mavx2 -mfma -mf16c``) where ``/proc/cpuinfo`` lists AVX2, FMA and F16C;
+- ``avx512`` (AVX2's flags and ``-mavx512f -mavx512bw -mavx512vl -mavx512vnni``) where
+  ``/proc/cpuinfo`` also lists those (64 values a row in one product, 8 rows in registers);
+- ``avx2`` (``-mavx2 -mfma -mf16c``) where it lists AVX2, FMA and F16C;
 - ``portable`` (no ISA flags) everywhere else.
 
-Both compute the same integer lanes and the same float sequence: the same bits (a test
-checks it).  Built once per machine by the system C++ compiler into ``<cache
-root>/kernels/`` (the file named by a hash of the source and flags), loaded with ``ctypes``.
+All compute the same integer lanes and the same float sequence: the same bits (a test
+checks each build this CPU runs against the portable one).  Built once per machine by the
+system C++ compiler into ``<cache root>/kernels/`` (the file named by a hash of the source
+and flags), loaded with ``ctypes``.
 ``kernel_status()`` says which build runs, or why none does (no compiler, a failed build,
 ``SPECFLOW_QUANT_KERNEL=0``).
 """
@@ -40,8 +43,16 @@ log = logging.getLogger("specflow")
 
 SOURCE = Path(__file__).with_name("kernels") / "quant_rows.cpp"
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-BUILD_FLAGS = {"avx2": ("-mavx2", "-mfma", "-mf16c"), "portable": ()}
-ENV_SWITCH = "SPECFLOW_QUANT_KERNEL"  # "0": no quantized kernel (GGUF weights refused)
+AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+BUILD_FLAGS = {
+    "avx512": (*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+    "avx2": AVX2_FLAGS,
+    "portable": (),
+}
+BUILD_ISA = {"portable": 0, "avx2": 1, "avx512": 2}  # what quant_rows_isa() returns
+AVX2_CPU = {"avx2", "fma", "f16c"}
+AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+ENV_SWITCH = "SPECFLOW_QUANT_KERNEL"  # "0": none (GGUF weights refused); a build's name: it
 
 
 @dataclass(frozen=True)
@@ -64,12 +75,19 @@ def _compiler() -> str | None:
     return None
 
 
-def cpu_build() -> str:
-    """The build this CPU runs: ``avx2`` on an x86-64 CPU with AVX2, FMA and F16C, else
-    ``portable``."""
+def runnable_builds() -> tuple[str, ...]:
+    """The builds this CPU can run, fastest first (``portable`` always last)."""
     flags = set((cpuinfo_field("flags") or "").split())
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return "avx2" if x86 and {"avx2", "fma", "f16c"} <= flags else "portable"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("portable",)
+    vector = [b for b, need in (("avx512", AVX512_CPU), ("avx2", AVX2_CPU)) if need <= flags]
+    return (*vector, "portable")
+
+
+def cpu_build() -> str:
+    """The build this CPU runs: ``avx512`` on an x86-64 CPU with AVX2, FMA, F16C and
+    AVX-512 F/BW/VL/VNNI, ``avx2`` with AVX2, FMA and F16C, else ``portable``."""
+    return runnable_builds()[0]
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -81,8 +99,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.quant_dequantize_rows.restype = i
     lib.quant_row_bytes.argtypes = [i, n]
     lib.quant_row_bytes.restype = n
-    lib.quant_rows_avx2.argtypes = []
-    lib.quant_rows_avx2.restype = i
+    lib.quant_rows_isa.argtypes = []
+    lib.quant_rows_isa.restype = i
     return lib
 
 
@@ -123,7 +141,15 @@ def load_build(build: str) -> QuantKernel:
 
 
 def kernel_status() -> QuantKernel:
-    """The build this CPU runs (``cpu_build``), loaded; or why none runs."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    """The build this CPU runs, loaded; or why none runs.  ``SPECFLOW_QUANT_KERNEL`` unset
+    (or ``1``): ``cpu_build()``; ``0``: none; a build's name (``avx2``, ``portable``): that
+    build, where this CPU runs it (to compare builds on one machine)."""
+    wanted = os.environ.get(ENV_SWITCH, "1")
+    if wanted == "0":
         return QuantKernel(None, "", f"{ENV_SWITCH}=0")
-    return load_build(cpu_build())
+    if wanted == "1":
+        return load_build(cpu_build())
+    if wanted not in runnable_builds():
+        return QuantKernel(None, wanted, f"{ENV_SWITCH}={wanted}: this CPU runs "
+                           f"{', '.join(runnable_builds())} (or 1 for the fastest, 0 for none)")
+    return load_build(wanted)

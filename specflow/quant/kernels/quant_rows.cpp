@@ -26,8 +26,12 @@
 // Every integer sum is exact (no int16 saturation: |c| <= 63 or signed 8-bit with |x8| <= 127);
 // every float step is the fixed sequence above, so a row's result does not depend on the
 // other rows, their number, the block of rows a call takes or the thread split: the same
-// bits at 1 row (decoding) and at k+1 rows (verification).  The AVX2 build (-mavx2) and the
+// bits at 1 row (decoding) and at k+1 rows (verification).  The AVX-512 build (BW + VNNI:
+// 64 values a row in one product, up to 8 rows in registers), the AVX2 build and the
 // portable build compute these same integer lanes and the same float sequence: the same bits.
+//
+// Memory: a pass streams the weights once (a 1.5B Q4_K_M file is 1 GiB); each super-block
+// fetches its row's bytes kPrefetchBytes ahead, so the loads overlap the arithmetic.
 //
 // Threads: OpenMP over output rows; loaded into a process that has loaded torch the library
 // binds to torch's libgomp, so it runs on the pool torch's operators use.
@@ -39,6 +43,8 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__SSE__)
+#include <xmmintrin.h>  // _mm_prefetch
 #endif
 
 namespace {
@@ -47,7 +53,8 @@ enum GgmlType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14,
 };
 
-constexpr int kRowsChunk = 16;  // rows a pass over the weights takes at most
+constexpr int kRowsChunk = 16;
+constexpr long kPrefetchBytes = 2048;  // how far ahead of the block in use its row's bytes are fetched  // rows a pass over the weights takes at most
 // Values a call multiplies (or quantizes) below which it runs on one thread: a parallel
 // region costs more than a small matrix's product, and far more where other processes hold
 // the cores (a thread the barrier waits for is not running).
@@ -416,6 +423,180 @@ inline void block32_row(const Block32& blk, bool is_signed, const int8_t* x, con
   acc->off = std::fma(blk.a * dx, static_cast<float>(bsum[0] + bsum[1]), acc->off);
 }
 
+#if defined(__AVX2__)
+// ---------------------------------------------------------------- K-quant rows in registers
+// The same sums as decode_q4_K / decode_q6_K + superblock_row, with the codes kept in
+// registers instead of a decoded block and a group of MC rows' accumulators kept in
+// registers over a whole output row: the integer lanes are exact sums (any order gives the
+// same int32), and each row's float sequence over the super-blocks is superblock_row's.
+
+// Chunk ch's int16 scale vector from s16 (the 16 sub-scales as int16): s[2ch] in lanes 0..7,
+// s[2ch+1] in lanes 8..15 (both sit in dword ch).
+inline __m256i chunk_scales(__m256i s16, int ch) {
+  const __m256i dw = _mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(ch));
+  return _mm256_shuffle_epi8(dw, _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                                                 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
+}
+
+// Two consecutive chunks of 32 codes (values k .. k+31 and k+32 .. k+63) into the MC rows'
+// integer lanes.  AVX-512 (BW + VNNI): one 64-byte product a row, the two chunks' lanes side
+// by side (lanes 0..7 the first chunk's, 8..15 the second's; added together when the
+// super-block ends: the same exact int32 sums).  AVX2: a chunk at a time.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+using Lanes = __m512i;
+inline __m512i pair512(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+template <int MC>
+inline void chunk_pair_rows(__m256i c0, __m256i s0, __m256i c1, __m256i s1,
+                            const int8_t* const* x, long k, Lanes* lanes) {
+  const __m512i cv = pair512(c0, c1), sv = pair512(s0, s1);
+  for (int r = 0; r < MC; ++r) {
+    const __m512i xv = _mm512_loadu_si512(x[r] + k);
+    lanes[r] = _mm512_dpwssd_epi32(lanes[r], _mm512_maddubs_epi16(cv, xv), sv);
+  }
+}
+inline __m256i fold_lanes(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+inline __m512i zero_lanes() { return _mm512_setzero_si512(); }
+#else
+using Lanes = __m256i;
+template <int MC>
+inline void chunk_pair_rows(__m256i c0, __m256i s0, __m256i c1, __m256i s1,
+                            const int8_t* const* x, long k, Lanes* lanes) {
+  for (int r = 0; r < MC; ++r) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + k));
+    lanes[r] = _mm256_add_epi32(lanes[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c0, x0), s0));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + k + 32));
+    lanes[r] = _mm256_add_epi32(lanes[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c1, x1), s1));
+  }
+}
+inline __m256i fold_lanes(__m256i v) { return v; }
+inline __m256i zero_lanes() { return _mm256_setzero_si256(); }
+#endif
+
+// Output row `row` (nblocks super-blocks of `type`) for MC rows of the quantized activations
+// starting at m0: out[r] = the row's value for activation row m0 + r.
+template <int MC>
+void ksuper_rows(int type, const uint8_t* row, long nblocks, const Q8Rows& xq, int m0,
+                 float* out) {
+  const long K = xq.K;
+  const long n16 = K / 16;
+  const int bytes = type == kQ4_K ? 144 : 210;
+  const int8_t* x[MC];
+  __m256 acc[MC];
+  for (int r = 0; r < MC; ++r) {
+    x[r] = xq.q.data() + (m0 + r) * K;
+    acc[r] = _mm256_setzero_ps();
+  }
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (long b = 0; b < nblocks; ++b) {
+    const uint8_t* src = row + b * bytes;
+    for (int line = 0; line < bytes; line += 64) {  // the row's bytes ahead, into cache
+      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + line), _MM_HINT_T0);
+    }
+    const long k0 = b * 256;
+    Lanes lanes[MC];
+    for (int r = 0; r < MC; ++r) lanes[r] = zero_lanes();
+    float d, dmin;
+    __m256i o16;  // the offsets per 16 values, int16
+    if (type == kQ4_K) {
+      d = fp16_to_f32(load_u16(src));
+      dmin = fp16_to_f32(load_u16(src + 2));
+      alignas(16) uint8_t sc[16], m[16];
+      q4k_scales_mins(src + 4, sc, m);
+      const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
+      const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
+      const __m256i s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
+      o16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+      const uint8_t* qs = src + 16;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+        chunk_pair_rows<MC>(_mm256_and_si256(q, m4), chunk_scales(s16, 2 * j),
+                            _mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                            chunk_scales(s16, 2 * j + 1), x, k0 + 64 * j, lanes);
+      }
+    } else {  // Q6_K
+      const uint8_t* ql = src;
+      const uint8_t* qh = src + 128;
+      d = dmin = fp16_to_f32(load_u16(src + 208));
+      const __m256i s16 = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 192)));
+      o16 = _mm256_slli_epi16(s16, 5);
+      const __m256i m2 = _mm256_set1_epi8(3);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+        const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+        auto high = [&](int shift) {  // ((qh >> shift) & 3) << 4, per byte
+          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, shift), m2), 4);
+        };
+        const long k = k0 + 128 * h;
+        chunk_pair_rows<MC>(_mm256_or_si256(_mm256_and_si256(a, m4), high(0)),
+                            chunk_scales(s16, 4 * h),
+                            _mm256_or_si256(_mm256_and_si256(a2, m4), high(2)),
+                            chunk_scales(s16, 4 * h + 1), x, k, lanes);
+        chunk_pair_rows<MC>(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), high(4)),
+                            chunk_scales(s16, 4 * h + 2),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a2, 4), m4), high(6)),
+                            chunk_scales(s16, 4 * h + 3), x, k + 64, lanes);
+      }
+    }
+    for (int r = 0; r < MC; ++r) {
+      const int m = m0 + r;
+      const float dx = xq.d[m * (K / 256) + b];
+      const __m256i bs = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(xq.bsum.data() + m * n16 + k0 / 16));
+      const __m256i low = _mm256_madd_epi16(bs, o16);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_lanes(lanes[r])), _mm256_set1_ps(d * dx),
+                               acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_set1_ps(-(dmin * dx)), acc[r]);
+    }
+  }
+  for (int r = 0; r < MC; ++r) {
+    Acc a;
+    _mm256_storeu_ps(a.lane, acc[r]);
+    a.off = 0.0f;
+    out[r] = finish(a);
+  }
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int kRegisterRows = 8;  // rows a group keeps in registers (32 vector registers)
+#else
+constexpr int kRegisterRows = 4;  // rows a group keeps in registers (16 vector registers)
+#endif
+
+// Output rows [n0, n1) of a K-quant part for rows [m0, m0 + mc), in groups of
+// <= kRegisterRows rows.
+void ksuper_range(int type, const uint8_t* w, long row_bytes, long nblocks, const Q8Rows& xq,
+                  int m0, int mc, float* y, long ldy, long n0, long n1) {
+  float out[kRegisterRows];
+  for (long n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    for (int g = 0; g < mc; g += kRegisterRows) {
+      const int rows = mc - g < kRegisterRows ? mc - g : kRegisterRows;
+      switch (rows) {
+        case 1: ksuper_rows<1>(type, row, nblocks, xq, m0 + g, out); break;
+        case 2: ksuper_rows<2>(type, row, nblocks, xq, m0 + g, out); break;
+        case 3: ksuper_rows<3>(type, row, nblocks, xq, m0 + g, out); break;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+        case 4: ksuper_rows<4>(type, row, nblocks, xq, m0 + g, out); break;
+        case 5: ksuper_rows<5>(type, row, nblocks, xq, m0 + g, out); break;
+        case 6: ksuper_rows<6>(type, row, nblocks, xq, m0 + g, out); break;
+        case 7: ksuper_rows<7>(type, row, nblocks, xq, m0 + g, out); break;
+        default: ksuper_rows<8>(type, row, nblocks, xq, m0 + g, out); break;
+#else
+        default: ksuper_rows<4>(type, row, nblocks, xq, m0 + g, out); break;
+#endif
+      }
+      for (int r = 0; r < rows; ++r) y[(m0 + g + r) * ldy + n] = out[r];
+    }
+  }
+}
+#endif
+
 // Output rows [n0, n1) of one part for rows [m0, m0 + mc) of the quantized activations.
 void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes, const Q8Rows& xq,
                 int m0, int mc, float* y, long ldy, long n0, long n1) {
@@ -423,6 +604,12 @@ void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes
   const long nblocks = K / info.block;
   const long nd = K / xq.block;
   const long n16 = K / 16;
+#if defined(__AVX2__)
+  if (info.k_quant) {
+    ksuper_range(type, w, row_bytes, nblocks, xq, m0, mc, y, ldy, n0, n1);
+    return;
+  }
+#endif
   Acc acc[kRowsChunk];
   SuperBlock sb;
   Block32 blk;
@@ -431,6 +618,9 @@ void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes
     const uint8_t* row = w + n * row_bytes;
     for (long b = 0; b < nblocks; ++b) {
       const uint8_t* src = row + b * info.bytes;
+#if defined(__SSE__)
+      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
+#endif
       const long k0 = b * info.block;
       if (info.k_quant) {
         if (type == kQ4_K) decode_q4_K(src, &sb, !kVectorRows); else decode_q6_K(src, &sb);
@@ -456,9 +646,11 @@ void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes
 
 extern "C" {
 
-// 1 where this library was built with AVX2 (the vector path), 0 for the portable build.
-int quant_rows_avx2() {
-#if defined(__AVX2__)
+// The instructions this library was built for: 2 AVX-512 (BW + VNNI), 1 AVX2, 0 portable.
+int quant_rows_isa() {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return 2;
+#elif defined(__AVX2__)
   return 1;
 #else
   return 0;
