@@ -15,7 +15,8 @@ little about another:
 feature bits, oneDNN's own bf16 check) plus the ISA caps a user may set in the environment
 (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``): with
 ``AVX2_ONLY_ENV`` (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
-MKL_ENABLE_INSTRUCTIONS=AVX2``) an AVX-512 machine runs, and is probed, as an AVX2-only
+MKL_ENABLE_INSTRUCTIONS=AVX2``, and ``SPECFLOW_QUANT_KERNEL=avx2`` for the quantized rows
+kernel) an AVX-512 machine runs, and is probed, as an AVX2-only
 one; oneDNN's bf16 check then fails exactly as on a real AVX2 CPU.  Everything that
 decides packing or a dtype asks ``probe_cpu()`` (tests replace it through ``monkeypatch``),
 never a CPU feature directly.
@@ -41,11 +42,13 @@ import torch
 
 from specflow.errors import ConfigError
 
-# The ISA caps that make this process behave as an AVX2-only CPU would (oneDNN, ATen, MKL).
+# The ISA caps that make this process behave as an AVX2-only CPU would (oneDNN, ATen, MKL,
+# the quantized rows kernel's build).
 AVX2_ONLY_ENV = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "ATEN_CPU_CAPABILITY": "avx2",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "SPECFLOW_QUANT_KERNEL": "avx2",
 }
 # oneDNN ISA names (``ONEDNN_MAX_CPU_ISA``) below the first with bf16 dot products in hardware.
 _ONEDNN_CAPS_WITHOUT_NATIVE_BF16 = (

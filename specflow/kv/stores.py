@@ -39,7 +39,7 @@ LAYOUTS = ("contiguous", "paged")
 
 
 def as_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
-    """``None`` -> ``default``; a name of ``DTYPE_NAMES`` (specflow.cpu) -> that dtype."""
+    """``None`` -> ``default``; a name of ``DTYPE_NAMES`` (specflow.cpu.detect) -> that dtype."""
     if dtype is None:
         return default
     if isinstance(dtype, torch.dtype):

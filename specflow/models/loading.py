@@ -285,7 +285,7 @@ def load_model(
             .gguf file), or a Hugging Face hub id (only works where the hub is reachable or
             the model is in the local HF cache).
         dtype: ``float32``, ``bfloat16``, ``float16``, or ``auto``: bfloat16 where this CPU
-            multiplies it natively, else float32 (``specflow.cpu``).
+            multiplies it natively, else float32 (``specflow.cpu.detect``).
         backend: ``auto`` (native when supported, else HF), ``native`` or ``hf``.
         trust_remote_code: passed to transformers; leave False unless you trust the source.
         cache_dir: the specflow cache root for registry models (``None``:
@@ -297,8 +297,8 @@ def load_model(
             else unpacked with one INFO line saying why.  ``True`` where it cannot pack is a
             ``ConfigError`` before the weights load.
         quantize: ``int8``: the native model also keeps weight-only int8 copies of its
-            matrices (``specflow.models.int8_weights``), used at the row counts where the row
-            probe finds them faster (``specflow.models.row_padding``); its outputs then
+            matrices (``specflow.cpu.int8_weights``), used at the row counts where the row
+            probe finds them faster (``specflow.cpu.row_padding``); its outputs then
             differ slightly from the model's own: for draft models.  ``None``: none.
         weights: ``float``: the weights as float tensors of ``dtype`` (a GGUF file is
             dequantized).  ``gguf``: a GGUF file's quantized blocks as published, kept in

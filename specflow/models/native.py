@@ -178,7 +178,7 @@ def linear(x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None,
     appended, their outputs dropped).  Each output row depends only on its own input row, so
     the real rows are unchanged up to the kernel's float rounding; it pays where oneDNN's
     kernels stream the weights faster at a few rows than at one
-    (``specflow.models.row_padding``).
+    (``specflow.cpu.row_padding``).
     """
     if isinstance(weight, QuantMatrix):
         return quant_linear(x, weight, bias)
@@ -273,7 +273,7 @@ class NativeLM:
         # count, so none of the row-count choices below applies.
         self.quantized = isinstance(first, QuantMatrix)
         # Packed multiplies of fewer rows run on this many (``linear``; model.min_rows,
-        # ``specflow.models.row_padding``): 1 = as given.
+        # ``specflow.cpu.row_padding``): 1 = as given.
         self.min_rows = 1
         self.row_probe: object | None = None  # row_padding.RowProbe, once probed
         # row_padding.WholePassCheck: the whole-pass timing that kept or dropped the float

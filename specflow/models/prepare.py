@@ -245,26 +245,32 @@ def prepare_model(
 def gguf_path(name: str, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
     """The verified GGUF file of registry model ``name`` (``model.weights=gguf``): the
     package's own file, or the assembled one kept in ``<cache>/gguf/`` (assembled again,
-    and verified, when missing).  A kept file is verified once: a ``.sha256`` note beside
-    it records the hash with the file's size and mtime, and a file that still matches them
-    is not hashed again."""
+    and verified, when missing).  A file is verified once: a ``.sha256`` note in
+    ``<cache>/gguf/`` records the hash with the file's size, mtime and path (a line per path:
+    two checkouts sharing one cache each keep theirs), and a file that still matches its
+    line is not hashed again."""
     entry = get_entry(name)
     cache = cache_root(cache_dir)
     parts = [] if entry.missing_modules() else entry.source.part_paths()
     note = (cache / "gguf" / entry.gguf_file).with_suffix(".gguf.sha256")
     candidate = parts[0] if len(parts) == 1 else cache / "gguf" / entry.gguf_file
-    if candidate.is_file():
-        stat = candidate.stat()
-        stamp = f"{entry.sha256} {stat.st_size} {stat.st_mtime_ns} {candidate}"
-        if note.is_file() and note.read_text() == stamp:
-            return candidate
+    stamps = note.read_text().splitlines() if note.is_file() else []
+    if candidate.is_file() and _stamp(entry, candidate) in stamps:
+        return candidate
     check_installed(entry)
     note.parent.mkdir(parents=True, exist_ok=True)
     with _lock(cache / "gguf" / entry.gguf_file):
         path, _ = _obtain_gguf(entry, cache, progress)
-        stat = path.stat()
-        note.write_text(f"{entry.sha256} {stat.st_size} {stat.st_mtime_ns} {path}")
+        stamp = _stamp(entry, path)
+        kept = [line for line in stamps if not line.endswith(f" {path}")][-7:]
+        note.write_text("\n".join([*kept, stamp]) + "\n")
     return path
+
+
+def _stamp(entry: RegistryEntry, path: Path) -> str:
+    """A verified file's line in its ``.sha256`` note: hash, size, mtime, path."""
+    stat = path.stat()
+    return f"{entry.sha256} {stat.st_size} {stat.st_mtime_ns} {path}"
 
 
 @contextlib.contextmanager

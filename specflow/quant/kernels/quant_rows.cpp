@@ -10,7 +10,9 @@
 //
 // Each weight block is decoded once per call into unsigned codes c in natural order and its
 // integer or float scales, then multiplied into every row (the weights are read once for all
-// M rows: that is what makes a verification of a few rows cost little more than one):
+// M rows: that is what makes a verification of a few rows cost little more than one; the
+// vector builds decode it into registers once per group of up to 4 (AVX2) or 8 (AVX-512)
+// rows, whose accumulators stay in registers over the whole output row):
 //
 //   K-quants (a super-block of 256 = 16 groups of 16, scales s_j, offsets o_j small ints):
 //     w = d * s_j * c - dmin * o_j       (Q4_K: s, o per 32; Q6_K: s_j, o_j = 32 s_j, dmin = d)
@@ -59,11 +61,6 @@ constexpr long kPrefetchBytes = 2048;  // how far ahead of the block in use its 
 // region costs more than a small matrix's product, and far more where other processes hold
 // the cores (a thread the barrier waits for is not running).
 constexpr long kParallelWork = 1L << 20;
-#if defined(__AVX2__)
-constexpr bool kVectorRows = true;  // the rows take the scale vectors
-#else
-constexpr bool kVectorRows = false;
-#endif  // rows a pass over the weights takes at most
 
 inline float fp16_to_f32(uint16_t h) {
 #if defined(__F16C__)
@@ -119,22 +116,8 @@ struct SuperBlock {
   alignas(32) uint8_t c[256];
   alignas(32) int16_t s[16];
   alignas(32) int16_t o[16];
-#if defined(__AVX2__)
-  __m256i sv[8];  // chunk ch's int16 scales: s[2ch] in lanes 0..7, s[2ch+1] in lanes 8..15
-#endif
   float d, dmin;
 };
-
-// The scale vectors of a decoded super-block (once per super-block, not per row).
-inline void make_scale_vectors(SuperBlock* sb) {
-#if defined(__AVX2__)
-  for (int ch = 0; ch < 8; ++ch) {
-    sb->sv[ch] = _mm256_set_m128i(_mm_set1_epi16(sb->s[2 * ch + 1]), _mm_set1_epi16(sb->s[2 * ch]));
-  }
-#else
-  (void)sb;
-#endif
-}
 
 // A decoded 32-block: codes (unsigned, or signed for Q8_0), scale and offset.
 struct Block32 {
@@ -158,26 +141,14 @@ inline void q4k_scales_mins(const uint8_t* q, uint8_t sc[8], uint8_t m[8]) {
   std::memcpy(m + 4, &m_hi, 4);
 }
 
-// full: also the per-16 scales s[] (the portable rows and the dequantizer use them).
-void decode_q4_K(const uint8_t* b, SuperBlock* sb, bool full) {
+void decode_q4_K(const uint8_t* b, SuperBlock* sb) {
   sb->d = fp16_to_f32(load_u16(b));
   sb->dmin = fp16_to_f32(load_u16(b + 2));
   alignas(16) uint8_t sc[16], m[16];
   q4k_scales_mins(b + 4, sc, m);
-#if defined(__AVX2__)
-  if (!full) {  // only what the rows take: the scale vectors and the offsets
-    for (int ch = 0; ch < 8; ++ch) sb->sv[ch] = _mm256_set1_epi16(sc[ch]);
-    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(sb->o),
-                       _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)));
-  }
-#endif
-  if (full) {
-    for (int g = 0; g < 8; ++g) {
-      sb->s[2 * g] = sb->s[2 * g + 1] = sc[g];
-      sb->o[2 * g] = sb->o[2 * g + 1] = m[g];
-    }
-    make_scale_vectors(sb);
+  for (int g = 0; g < 8; ++g) {
+    sb->s[2 * g] = sb->s[2 * g + 1] = sc[g];
+    sb->o[2 * g] = sb->o[2 * g + 1] = m[g];
   }
   const uint8_t* qs = b + 16;
 #if defined(__AVX2__)
@@ -198,7 +169,7 @@ void decode_q4_K(const uint8_t* b, SuperBlock* sb, bool full) {
 #endif
 }
 
-void decode_q6_K(const uint8_t* b, SuperBlock* sb) {  // always full
+void decode_q6_K(const uint8_t* b, SuperBlock* sb) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -207,7 +178,6 @@ void decode_q6_K(const uint8_t* b, SuperBlock* sb) {  // always full
     sb->s[j] = sc[j];
     sb->o[j] = static_cast<int16_t>(32 * sc[j]);
   }
-  make_scale_vectors(sb);
   for (int h = 0; h < 2; ++h) {
     const uint8_t* l = ql + 64 * h;
     const uint8_t* hb = qh + 32 * h;
@@ -350,38 +320,9 @@ inline float finish(const Acc& a) {
   return (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) + a.off;
 }
 
-#if defined(__AVX2__)
-inline __m256i dot32_lanes(const uint8_t* c, const int8_t* x, bool is_signed) {
-  // 8 int32 lanes, lane i = sum_{e = 4i..4i+3} c_e x_e (exact)
-  const __m256i cv = _mm256_load_si256(reinterpret_cast<const __m256i*>(c));
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  __m256i p16;
-  if (is_signed) {  // |c| as unsigned, x carrying c's sign: the same products
-    p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(cv, cv), _mm256_sign_epi8(xv, cv));
-  } else {
-    p16 = _mm256_maddubs_epi16(cv, xv);
-  }
-  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-#endif
-
 // One K-quant super-block into one row's accumulator.
 inline void superblock_row(const SuperBlock& sb, const int8_t* x, const int16_t* bsum, float dx,
                            Acc* acc) {
-#if defined(__AVX2__)
-  __m256i lanes = _mm256_setzero_si256();
-  for (int ch = 0; ch < 8; ++ch) {
-    const __m256i cv = _mm256_load_si256(reinterpret_cast<const __m256i*>(sb.c + 32 * ch));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * ch));
-    lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(_mm256_maddubs_epi16(cv, xv), sb.sv[ch]));
-  }
-  const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum));
-  const __m256i low = _mm256_madd_epi16(bs, _mm256_load_si256(reinterpret_cast<const __m256i*>(sb.o)));
-  __m256 a = _mm256_loadu_ps(acc->lane);
-  a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(sb.d * dx), a);
-  a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_set1_ps(-(sb.dmin * dx)), a);
-  _mm256_storeu_ps(acc->lane, a);
-#else
   int32_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int ch = 0; ch < 8; ++ch) {
     for (int i = 0; i < 8; ++i) {
@@ -399,18 +340,11 @@ inline void superblock_row(const SuperBlock& sb, const int8_t* x, const int16_t*
     float a = std::fma(static_cast<float>(lanes[i]), sb.d * dx, acc->lane[i]);
     acc->lane[i] = std::fma(static_cast<float>(low), -(sb.dmin * dx), a);
   }
-#endif
 }
 
 // One 32-block into one row's accumulator.
 inline void block32_row(const Block32& blk, bool is_signed, const int8_t* x, const int16_t* bsum,
                         float dx, Acc* acc) {
-#if defined(__AVX2__)
-  const __m256i lanes = dot32_lanes(blk.c, x, is_signed);
-  __m256 a = _mm256_loadu_ps(acc->lane);
-  a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(blk.d * dx), a);
-  _mm256_storeu_ps(acc->lane, a);
-#else
   for (int i = 0; i < 8; ++i) {
     int32_t s = 0;
     for (int e = 4 * i; e < 4 * i + 4; ++e) {
@@ -419,7 +353,6 @@ inline void block32_row(const Block32& blk, bool is_signed, const int8_t* x, con
     }
     acc->lane[i] = std::fma(static_cast<float>(s), blk.d * dx, acc->lane[i]);
   }
-#endif
   acc->off = std::fma(blk.a * dx, static_cast<float>(bsum[0] + bsum[1]), acc->off);
 }
 
@@ -568,27 +501,96 @@ constexpr int kRegisterRows = 8;  // rows a group keeps in registers (32 vector 
 constexpr int kRegisterRows = 4;  // rows a group keeps in registers (16 vector registers)
 #endif
 
-// Output rows [n0, n1) of a K-quant part for rows [m0, m0 + mc), in groups of
-// <= kRegisterRows rows.
-void ksuper_range(int type, const uint8_t* w, long row_bytes, long nblocks, const Q8Rows& xq,
-                  int m0, int mc, float* y, long ldy, long n0, long n1) {
+// ---------------------------------------------------------------- 32-block rows in registers
+// The same sums as decode_block32 + block32_row, with the codes in a register and a group of
+// MC rows' accumulators (lanes and offset) kept in registers over a whole output row: each
+// row's float sequence over the blocks is block32_row's.
+template <int MC>
+void block32_rows(int type, const uint8_t* row, long nblocks, const Q8Rows& xq, int m0,
+                  float* out) {
+  const long K = xq.K;
+  const long n16 = K / 16;
+  const long nd = K / 32;
+  const int bytes = type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : 34;
+  const bool is_signed = type == kQ8_0;
+  const int8_t* x[MC];
+  __m256 acc[MC];
+  float off[MC];
+  for (int r = 0; r < MC; ++r) {
+    x[r] = xq.q.data() + (m0 + r) * K;
+    acc[r] = _mm256_setzero_ps();
+    off[r] = 0.0f;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (long b = 0; b < nblocks; ++b) {
+    const uint8_t* src = row + b * bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
+    const float d = fp16_to_f32(load_u16(src));
+    float a;
+    __m256i cv;
+    switch (type) {
+      case kQ4_0: a = -8.0f * d; cv = nibbles32(src + 2); break;
+      case kQ4_1: a = fp16_to_f32(load_u16(src + 2)); cv = nibbles32(src + 4); break;
+      case kQ5_0:
+        a = -16.0f * d;
+        cv = _mm256_or_si256(nibbles32(src + 6), fifth_bits32(src + 2));
+        break;
+      default: a = 0.0f; cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2)); break;
+    }
+    // signed codes (Q8_0): |c| as unsigned, x carrying c's sign -- the same products
+    const __m256i cu = is_signed ? _mm256_sign_epi8(cv, cv) : cv;
+    for (int r = 0; r < MC; ++r) {
+      const int m = m0 + r;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + b * 32));
+      const __m256i xs = is_signed ? _mm256_sign_epi8(xv, cv) : xv;
+      const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(cu, xs), ones);
+      const float dx = xq.d[m * nd + b];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc[r]);
+      const int16_t* bs = xq.bsum.data() + m * n16 + 2 * b;
+      off[r] = std::fma(a * dx, static_cast<float>(bs[0] + bs[1]), off[r]);
+    }
+  }
+  for (int r = 0; r < MC; ++r) {
+    Acc res;
+    _mm256_storeu_ps(res.lane, acc[r]);
+    res.off = off[r];
+    out[r] = finish(res);
+  }
+}
+
+template <int MC>
+inline void rows_in_registers(int type, bool k_quant, const uint8_t* row, long nblocks,
+                              const Q8Rows& xq, int m0, float* out) {
+  if (k_quant) {
+    ksuper_rows<MC>(type, row, nblocks, xq, m0, out);
+  } else {
+    block32_rows<MC>(type, row, nblocks, xq, m0, out);
+  }
+}
+
+// Output rows [n0, n1) of one part for rows [m0, m0 + mc), in groups of <= kRegisterRows
+// rows, each group's accumulators in registers.
+void register_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes,
+                    const Q8Rows& xq, int m0, int mc, float* y, long ldy, long n0, long n1) {
+  const long nblocks = xq.K / info.block;
+  const bool kq = info.k_quant;
   float out[kRegisterRows];
   for (long n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     for (int g = 0; g < mc; g += kRegisterRows) {
       const int rows = mc - g < kRegisterRows ? mc - g : kRegisterRows;
       switch (rows) {
-        case 1: ksuper_rows<1>(type, row, nblocks, xq, m0 + g, out); break;
-        case 2: ksuper_rows<2>(type, row, nblocks, xq, m0 + g, out); break;
-        case 3: ksuper_rows<3>(type, row, nblocks, xq, m0 + g, out); break;
+        case 1: rows_in_registers<1>(type, kq, row, nblocks, xq, m0 + g, out); break;
+        case 2: rows_in_registers<2>(type, kq, row, nblocks, xq, m0 + g, out); break;
+        case 3: rows_in_registers<3>(type, kq, row, nblocks, xq, m0 + g, out); break;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        case 4: ksuper_rows<4>(type, row, nblocks, xq, m0 + g, out); break;
-        case 5: ksuper_rows<5>(type, row, nblocks, xq, m0 + g, out); break;
-        case 6: ksuper_rows<6>(type, row, nblocks, xq, m0 + g, out); break;
-        case 7: ksuper_rows<7>(type, row, nblocks, xq, m0 + g, out); break;
-        default: ksuper_rows<8>(type, row, nblocks, xq, m0 + g, out); break;
+        case 4: rows_in_registers<4>(type, kq, row, nblocks, xq, m0 + g, out); break;
+        case 5: rows_in_registers<5>(type, kq, row, nblocks, xq, m0 + g, out); break;
+        case 6: rows_in_registers<6>(type, kq, row, nblocks, xq, m0 + g, out); break;
+        case 7: rows_in_registers<7>(type, kq, row, nblocks, xq, m0 + g, out); break;
+        default: rows_in_registers<8>(type, kq, row, nblocks, xq, m0 + g, out); break;
 #else
-        default: ksuper_rows<4>(type, row, nblocks, xq, m0 + g, out); break;
+        default: rows_in_registers<4>(type, kq, row, nblocks, xq, m0 + g, out); break;
 #endif
       }
       for (int r = 0; r < rows; ++r) y[(m0 + g + r) * ldy + n] = out[r];
@@ -600,16 +602,13 @@ void ksuper_range(int type, const uint8_t* w, long row_bytes, long nblocks, cons
 // Output rows [n0, n1) of one part for rows [m0, m0 + mc) of the quantized activations.
 void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes, const Q8Rows& xq,
                 int m0, int mc, float* y, long ldy, long n0, long n1) {
+#if defined(__AVX2__)
+  register_range(type, info, w, row_bytes, xq, m0, mc, y, ldy, n0, n1);
+#else  // portable: each block decoded once, then multiplied into every row
   const long K = xq.K;
   const long nblocks = K / info.block;
   const long nd = K / xq.block;
   const long n16 = K / 16;
-#if defined(__AVX2__)
-  if (info.k_quant) {
-    ksuper_range(type, w, row_bytes, nblocks, xq, m0, mc, y, ldy, n0, n1);
-    return;
-  }
-#endif
   Acc acc[kRowsChunk];
   SuperBlock sb;
   Block32 blk;
@@ -623,7 +622,7 @@ void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes
 #endif
       const long k0 = b * info.block;
       if (info.k_quant) {
-        if (type == kQ4_K) decode_q4_K(src, &sb, !kVectorRows); else decode_q6_K(src, &sb);
+        if (type == kQ4_K) decode_q4_K(src, &sb); else decode_q6_K(src, &sb);
         for (int r = 0; r < mc; ++r) {
           const int m = m0 + r;
           superblock_row(sb, xq.q.data() + m * K + k0, xq.bsum.data() + m * n16 + k0 / 16,
@@ -640,6 +639,7 @@ void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes
     }
     for (int r = 0; r < mc; ++r) y[(m0 + r) * ldy + n] = finish(acc[r]);
   }
+#endif
 }
 
 }  // namespace
@@ -703,7 +703,7 @@ int quant_dequantize_rows(int type, const uint8_t* w, long K, const long* ids, l
       const uint8_t* src = row + b * info.bytes;
       if (info.k_quant) {
         SuperBlock sb;
-        if (type == kQ4_K) decode_q4_K(src, &sb, true); else decode_q6_K(src, &sb);
+        if (type == kQ4_K) decode_q4_K(src, &sb); else decode_q6_K(src, &sb);
         for (int e = 0; e < 256; ++e) {  // as ggml dequantizes: Q4_K (d s) c - dmin m,
           const int j = e / 16;             // Q6_K (d s) (c - 32)
           o[b * 256 + e] = type == kQ6_K ? sb.d * sb.s[j] * (sb.c[e] - 32)
