@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -55,7 +56,7 @@ enum GgmlType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14,
 };
 
-constexpr int kRowsChunk = 16;
+constexpr int kRowsChunk = 16;  // rows a pass over the weights takes at most
 constexpr long kPrefetchBytes = 2048;  // how far ahead of the block in use its row's bytes are fetched  // rows a pass over the weights takes at most
 // Values a call multiplies (or quantizes) below which it runs on one thread: a parallel
 // region costs more than a small matrix's product, and far more where other processes hold
@@ -274,6 +275,7 @@ struct Q8Rows {
   std::vector<int8_t> q;     // [M, K]
   std::vector<float> d;      // [M, K / block]
   std::vector<int16_t> bsum; // [M, K / 16]
+  std::vector<float> dt;     // [K / block, M + 8]: d transposed (the rows of a block side by side)
 };
 
 void quantize_rows(const float* x, int M, long K, int block, int threads, Q8Rows* out) {
@@ -284,6 +286,7 @@ void quantize_rows(const float* x, int M, long K, int block, int threads, Q8Rows
   out->d.resize(static_cast<size_t>(M) * (K / block));
   out->bsum.resize(static_cast<size_t>(M) * (K / 16));
   const long nb = K / block;
+  out->dt.assign(static_cast<size_t>(nb) * (M + 8), 0.0f);
 #pragma omp parallel for schedule(static) collapse(2) num_threads(threads) \
     if (static_cast<long>(M) * K >= kParallelWork)
   for (int m = 0; m < M; ++m) {
@@ -299,6 +302,7 @@ void quantize_rows(const float* x, int M, long K, int block, int threads, Q8Rows
         q[i] = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
       }
       out->d[m * nb + b] = d;
+      out->dt[b * (M + 8) + m] = d;
       int16_t* bs = out->bsum.data() + m * (K / 16) + b * (block / 16);
       for (int j = 0; j < block / 16; ++j) {
         int s = 0;
@@ -381,13 +385,21 @@ inline __m512i pair512(__m256i lo, __m256i hi) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 template <int MC>
-inline void chunk_pair_rows(__m256i c0, __m256i s0, __m256i c1, __m256i s1,
-                            const int8_t* const* x, long k, Lanes* lanes) {
-  const __m512i cv = pair512(c0, c1), sv = pair512(s0, s1);
+inline void chunk_pair_rows512(__m512i cv, __m512i sv, const int8_t* const* x, long k,
+                               Lanes* lanes) {
   for (int r = 0; r < MC; ++r) {
     const __m512i xv = _mm512_loadu_si512(x[r] + k);
     lanes[r] = _mm512_dpwssd_epi32(lanes[r], _mm512_maddubs_epi16(cv, xv), sv);
   }
+}
+// Chunks ch and ch+1's int16 scales in one vector: lanes 8i..8i+7 take s[2ch + i] (one
+// permutation of the 16 sub-scales s16).
+inline __m512i pair_scales(__m256i s16, int ch) {
+  const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(2 * ch)),
+                                       _mm512_srli_epi16(_mm512_set_epi16(
+      31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+      15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+  return _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(s16));
 }
 inline __m256i fold_lanes(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
@@ -409,6 +421,104 @@ inline __m256i fold_lanes(__m256i v) { return v; }
 inline __m256i zero_lanes() { return _mm256_setzero_si256(); }
 #endif
 
+// Chunks ch and ch+1 (codes c0, c1; the 16 sub-scales s16) into the MC rows' lanes.
+template <int MC>
+inline void scaled_pair_rows(__m256i c0, __m256i c1, __m256i s16, int ch,
+                             const int8_t* const* x, long k, Lanes* lanes) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  chunk_pair_rows512<MC>(pair512(c0, c1), pair_scales(s16, ch), x, k, lanes);
+#else
+  chunk_pair_rows<MC>(c0, chunk_scales(s16, ch), c1, chunk_scales(s16, ch + 1), x, k, lanes);
+#endif
+}
+
+// The float side of a super-block for MC rows: per row r (dx its activations' scale),
+//   acc_r = fma(float(lane_r), d * dx, acc_r);  acc_r = fma(float(low_r), -(dmin * dx), acc_r)
+// with low_r[i] = bsum_r[2i] o[2i] + bsum_r[2i+1] o[2i+1].  AVX-512 runs it for two rows in
+// one 16-lane vector (rows r and r+1 side by side; an odd last row beside itself), the
+// scales d * dx of the rows taken from the transposed dx at once; AVX2 (and one row) a row
+// at a time.  The same products and fmas per lane: the same bits.  (-dmin) * dx is
+// -(dmin * dx) exactly.
+template <int MC>
+struct RowAccSingles {
+  __m256 acc[MC];
+  RowAccSingles() {
+    for (int r = 0; r < MC; ++r) acc[r] = _mm256_setzero_ps();
+  }
+  void add_superblock(const Lanes* lanes, __m256i o16, float d, float dmin, const Q8Rows& xq,
+                      int m0, long b, const int16_t* bsum, long n16) {
+    for (int r = 0; r < MC; ++r) {
+      const float dx = xq.dt[b * (xq.M + 8) + m0 + r];
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum + r * n16));
+      const __m256i low = _mm256_madd_epi16(bs, o16);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_lanes(lanes[r])), _mm256_set1_ps(d * dx),
+                               acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_set1_ps(-(dmin * dx)), acc[r]);
+    }
+  }
+  void finish_rows(float* out) const {
+    for (int r = 0; r < MC; ++r) {
+      Acc a;
+      _mm256_storeu_ps(a.lane, acc[r]);
+      a.off = 0.0f;
+      out[r] = finish(a);
+    }
+  }
+};
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+template <int MC>
+struct RowAccPairs {
+  static constexpr int kPairs = (MC + 1) / 2;
+  __m512 acc[kPairs];
+  RowAccPairs() {
+    for (int p = 0; p < kPairs; ++p) acc[p] = _mm512_setzero_ps();
+  }
+  static __m512i pair_index(int p) {  // lanes 0..7 from row 2p, 8..15 from row 2p+1 (or 2p)
+    const int second = 2 * p + 1 < MC ? 2 * p + 1 : 2 * p;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * p)),
+                              _mm256_set1_epi32(second), 1);
+  }
+  void add_superblock(const Lanes* lanes, __m256i o16, float d, float dmin, const Q8Rows& xq,
+                      int m0, long b, const int16_t* bsum, long n16) {
+    const __m256 dxv = _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << MC) - 1),
+                                             xq.dt.data() + b * (xq.M + 8) + m0);
+    const __m512 dd = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(d), dxv));
+    const __m512 dm = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(-dmin), dxv));
+    const __m512i o512 = _mm512_inserti64x4(_mm512_castsi256_si512(o16), o16, 1);
+    for (int p = 0; p < kPairs; ++p) {
+      const int r0 = 2 * p, r1 = 2 * p + 1 < MC ? 2 * p + 1 : 2 * p;
+      const __m512i lo = _mm512_shuffle_i64x2(lanes[r0], lanes[r1], 0x44);
+      const __m512i hi = _mm512_shuffle_i64x2(lanes[r0], lanes[r1], 0xEE);
+      const __m512i folded = _mm512_add_epi32(lo, hi);  // [row r0's 8 lanes, row r1's]
+      const __m512i bs = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum + r0 * n16))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum + r1 * n16)), 1);
+      const __m512i low = _mm512_madd_epi16(bs, o512);
+      const __m512i idx = pair_index(p);
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(folded), _mm512_permutexvar_ps(idx, dd), acc[p]);
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), _mm512_permutexvar_ps(idx, dm), acc[p]);
+    }
+  }
+  void finish_rows(float* out) const {
+    for (int r = 0; r < MC; ++r) {
+      Acc a;
+      const __m512 pair = acc[r / 2];
+      const __m256 half = r % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair), 1))
+                                : _mm512_castps512_ps256(pair);
+      _mm256_storeu_ps(a.lane, half);
+      a.off = 0.0f;
+      out[r] = finish(a);
+    }
+  }
+};
+template <int MC>
+using RowAcc = std::conditional_t<(MC > 1), RowAccPairs<MC>, RowAccSingles<MC>>;
+#else
+template <int MC>
+using RowAcc = RowAccSingles<MC>;
+#endif
+
 // Output row `row` (nblocks super-blocks of `type`) for MC rows of the quantized activations
 // starting at m0: out[r] = the row's value for activation row m0 + r.
 template <int MC>
@@ -418,11 +528,8 @@ void ksuper_rows(int type, const uint8_t* row, long nblocks, const Q8Rows& xq, i
   const long n16 = K / 16;
   const int bytes = type == kQ4_K ? 144 : 210;
   const int8_t* x[MC];
-  __m256 acc[MC];
-  for (int r = 0; r < MC; ++r) {
-    x[r] = xq.q.data() + (m0 + r) * K;
-    acc[r] = _mm256_setzero_ps();
-  }
+  RowAcc<MC> acc;
+  for (int r = 0; r < MC; ++r) x[r] = xq.q.data() + (m0 + r) * K;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (long b = 0; b < nblocks; ++b) {
     const uint8_t* src = row + b * bytes;
@@ -444,12 +551,22 @@ void ksuper_rows(int type, const uint8_t* row, long nblocks, const Q8Rows& xq, i
       const __m256i s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
       o16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
       const uint8_t* qs = src + 16;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+      const __m512i m4w = _mm512_set1_epi8(0x0F);
+      for (int j = 0; j < 4; ++j) {  // 32 bytes: low nibbles (chunk 2j), high nibbles (2j+1)
+        const __m512i q = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
+        const __m512i cv = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFFFF0000u, q, 4), m4w);
+        chunk_pair_rows512<MC>(cv, pair_scales(s16, 2 * j), x, k0 + 64 * j, lanes);
+      }
+#else
       for (int j = 0; j < 4; ++j) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
         chunk_pair_rows<MC>(_mm256_and_si256(q, m4), chunk_scales(s16, 2 * j),
                             _mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
                             chunk_scales(s16, 2 * j + 1), x, k0 + 64 * j, lanes);
       }
+#endif
     } else {  // Q6_K
       const uint8_t* ql = src;
       const uint8_t* qh = src + 128;
@@ -466,33 +583,17 @@ void ksuper_rows(int type, const uint8_t* row, long nblocks, const Q8Rows& xq, i
           return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, shift), m2), 4);
         };
         const long k = k0 + 128 * h;
-        chunk_pair_rows<MC>(_mm256_or_si256(_mm256_and_si256(a, m4), high(0)),
-                            chunk_scales(s16, 4 * h),
-                            _mm256_or_si256(_mm256_and_si256(a2, m4), high(2)),
-                            chunk_scales(s16, 4 * h + 1), x, k, lanes);
-        chunk_pair_rows<MC>(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), high(4)),
-                            chunk_scales(s16, 4 * h + 2),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a2, 4), m4), high(6)),
-                            chunk_scales(s16, 4 * h + 3), x, k + 64, lanes);
+        scaled_pair_rows<MC>(_mm256_or_si256(_mm256_and_si256(a, m4), high(0)),
+                             _mm256_or_si256(_mm256_and_si256(a2, m4), high(2)),
+                             s16, 4 * h, x, k, lanes);
+        scaled_pair_rows<MC>(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), high(4)),
+                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a2, 4), m4), high(6)),
+                             s16, 4 * h + 2, x, k + 64, lanes);
       }
     }
-    for (int r = 0; r < MC; ++r) {
-      const int m = m0 + r;
-      const float dx = xq.d[m * (K / 256) + b];
-      const __m256i bs = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(xq.bsum.data() + m * n16 + k0 / 16));
-      const __m256i low = _mm256_madd_epi16(bs, o16);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_lanes(lanes[r])), _mm256_set1_ps(d * dx),
-                               acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_set1_ps(-(dmin * dx)), acc[r]);
-    }
+    acc.add_superblock(lanes, o16, d, dmin, xq, m0, b, xq.bsum.data() + m0 * n16 + k0 / 16, n16);
   }
-  for (int r = 0; r < MC; ++r) {
-    Acc a;
-    _mm256_storeu_ps(a.lane, acc[r]);
-    a.off = 0.0f;
-    out[r] = finish(a);
-  }
+  acc.finish_rows(out);
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
