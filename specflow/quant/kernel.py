@@ -140,6 +140,13 @@ def load_build(build: str) -> QuantKernel:
         return QuantKernel(None, build, str(err))
 
 
+@functools.cache
+def _builds_here() -> tuple[str, ...]:
+    """``runnable_builds()`` read once per process: ``kernel_status`` runs on every product,
+    and ``/proc/cpuinfo`` takes tens of microseconds to read."""
+    return runnable_builds()
+
+
 def kernel_status() -> QuantKernel:
     """The build this CPU runs, loaded; or why none runs.  ``SPECFLOW_QUANT_KERNEL`` unset
     (or ``1``): ``cpu_build()``; ``0``: none; a build's name (``avx2``, ``portable``): that
@@ -147,9 +154,10 @@ def kernel_status() -> QuantKernel:
     wanted = os.environ.get(ENV_SWITCH, "1")
     if wanted == "0":
         return QuantKernel(None, "", f"{ENV_SWITCH}=0")
+    builds = _builds_here()
     if wanted == "1":
-        return load_build(cpu_build())
-    if wanted not in runnable_builds():
+        return load_build(builds[0])
+    if wanted not in builds:
         return QuantKernel(None, wanted, f"{ENV_SWITCH}={wanted}: this CPU runs "
-                           f"{', '.join(runnable_builds())} (or 1 for the fastest, 0 for none)")
+                           f"{', '.join(builds)} (or 1 for the fastest, 0 for none)")
     return load_build(wanted)

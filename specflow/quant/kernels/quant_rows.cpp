@@ -522,11 +522,10 @@ using RowAcc = RowAccSingles<MC>;
 // Output row `row` (nblocks super-blocks of `type`) for MC rows of the quantized activations
 // starting at m0: out[r] = the row's value for activation row m0 + r.
 template <int MC>
-void ksuper_rows(int type, const uint8_t* row, long nblocks, const Q8Rows& xq, int m0,
+void ksuper_rows(int type, int bytes, const uint8_t* row, long nblocks, const Q8Rows& xq, int m0,
                  float* out) {
   const long K = xq.K;
   const long n16 = K / 16;
-  const int bytes = type == kQ4_K ? 144 : 210;
   const int8_t* x[MC];
   RowAcc<MC> acc;
   for (int r = 0; r < MC; ++r) x[r] = xq.q.data() + (m0 + r) * K;
@@ -562,9 +561,8 @@ void ksuper_rows(int type, const uint8_t* row, long nblocks, const Q8Rows& xq, i
 #else
       for (int j = 0; j < 4; ++j) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-        chunk_pair_rows<MC>(_mm256_and_si256(q, m4), chunk_scales(s16, 2 * j),
-                            _mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
-                            chunk_scales(s16, 2 * j + 1), x, k0 + 64 * j, lanes);
+        scaled_pair_rows<MC>(_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                             s16, 2 * j, x, k0 + 64 * j, lanes);
       }
 #endif
     } else {  // Q6_K
@@ -607,12 +605,11 @@ constexpr int kRegisterRows = 4;  // rows a group keeps in registers (16 vector 
 // MC rows' accumulators (lanes and offset) kept in registers over a whole output row: each
 // row's float sequence over the blocks is block32_row's.
 template <int MC>
-void block32_rows(int type, const uint8_t* row, long nblocks, const Q8Rows& xq, int m0,
+void block32_rows(int type, int bytes, const uint8_t* row, long nblocks, const Q8Rows& xq, int m0,
                   float* out) {
   const long K = xq.K;
   const long n16 = K / 16;
   const long nd = K / 32;
-  const int bytes = type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : 34;
   const bool is_signed = type == kQ8_0;
   const int8_t* x[MC];
   __m256 acc[MC];
@@ -660,12 +657,12 @@ void block32_rows(int type, const uint8_t* row, long nblocks, const Q8Rows& xq, 
 }
 
 template <int MC>
-inline void rows_in_registers(int type, bool k_quant, const uint8_t* row, long nblocks,
+inline void rows_in_registers(int type, const TypeInfo& info, const uint8_t* row, long nblocks,
                               const Q8Rows& xq, int m0, float* out) {
-  if (k_quant) {
-    ksuper_rows<MC>(type, row, nblocks, xq, m0, out);
+  if (info.k_quant) {
+    ksuper_rows<MC>(type, info.bytes, row, nblocks, xq, m0, out);
   } else {
-    block32_rows<MC>(type, row, nblocks, xq, m0, out);
+    block32_rows<MC>(type, info.bytes, row, nblocks, xq, m0, out);
   }
 }
 
@@ -674,24 +671,23 @@ inline void rows_in_registers(int type, bool k_quant, const uint8_t* row, long n
 void register_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes,
                     const Q8Rows& xq, int m0, int mc, float* y, long ldy, long n0, long n1) {
   const long nblocks = xq.K / info.block;
-  const bool kq = info.k_quant;
   float out[kRegisterRows];
   for (long n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     for (int g = 0; g < mc; g += kRegisterRows) {
       const int rows = mc - g < kRegisterRows ? mc - g : kRegisterRows;
       switch (rows) {
-        case 1: rows_in_registers<1>(type, kq, row, nblocks, xq, m0 + g, out); break;
-        case 2: rows_in_registers<2>(type, kq, row, nblocks, xq, m0 + g, out); break;
-        case 3: rows_in_registers<3>(type, kq, row, nblocks, xq, m0 + g, out); break;
+        case 1: rows_in_registers<1>(type, info, row, nblocks, xq, m0 + g, out); break;
+        case 2: rows_in_registers<2>(type, info, row, nblocks, xq, m0 + g, out); break;
+        case 3: rows_in_registers<3>(type, info, row, nblocks, xq, m0 + g, out); break;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        case 4: rows_in_registers<4>(type, kq, row, nblocks, xq, m0 + g, out); break;
-        case 5: rows_in_registers<5>(type, kq, row, nblocks, xq, m0 + g, out); break;
-        case 6: rows_in_registers<6>(type, kq, row, nblocks, xq, m0 + g, out); break;
-        case 7: rows_in_registers<7>(type, kq, row, nblocks, xq, m0 + g, out); break;
-        default: rows_in_registers<8>(type, kq, row, nblocks, xq, m0 + g, out); break;
+        case 4: rows_in_registers<4>(type, info, row, nblocks, xq, m0 + g, out); break;
+        case 5: rows_in_registers<5>(type, info, row, nblocks, xq, m0 + g, out); break;
+        case 6: rows_in_registers<6>(type, info, row, nblocks, xq, m0 + g, out); break;
+        case 7: rows_in_registers<7>(type, info, row, nblocks, xq, m0 + g, out); break;
+        default: rows_in_registers<8>(type, info, row, nblocks, xq, m0 + g, out); break;
 #else
-        default: rows_in_registers<4>(type, kq, row, nblocks, xq, m0 + g, out); break;
+        default: rows_in_registers<4>(type, info, row, nblocks, xq, m0 + g, out); break;
 #endif
       }
       for (int r = 0; r < rows; ++r) y[(m0 + g + r) * ldy + n] = out[r];
