@@ -57,7 +57,7 @@ enum GgmlType : int {
 };
 
 constexpr int kRowsChunk = 16;  // rows a pass over the weights takes at most
-constexpr long kPrefetchBytes = 2048;  // how far ahead of the block in use its row's bytes are fetched  // rows a pass over the weights takes at most
+constexpr long kPrefetchBytes = 2048;  // how far ahead of the block in use its row's bytes are fetched
 // Values a call multiplies (or quantizes) below which it runs on one thread: a parallel
 // region costs more than a small matrix's product, and far more where other processes hold
 // the cores (a thread the barrier waits for is not running).
