@@ -2,15 +2,16 @@
 
 ``kernels/quant_rows.cpp`` (its header has the math and the invariants) multiplies ``M``
 float32 rows by a matrix kept in ggml's own blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K):
-the activations are quantized to 8 bits per block, each weight block is decoded once per
-call and multiplied into every row with integer dot products, and a row's result is the
+the activations are quantized to 8 bits per block, the K-quants (Q4_K, Q6_K) are repacked
+once at load into tiles of 16 weight rows (vector lanes are weight rows), each weight block is
+decoded once per group of rows and multiplied in with integer dot products, and a row's result is the
 same bits whatever the other rows, their number or the threads -- so decoding one row and
 verifying ``k+1`` rows agree exactly, which lossless speculation needs.
 
 Three builds of the one source, chosen by probing the CPU:
 
 - ``avx512`` (AVX2's flags and ``-mavx512f -mavx512bw -mavx512vl -mavx512vnni``) where
-  ``/proc/cpuinfo`` also lists those (64 values a row in one product, 8 rows in registers);
+  ``/proc/cpuinfo`` also lists those (VNNI: 4 values of 16 weight rows in one product);
 - ``avx2`` (``-mavx2 -mfma -mf16c``) where it lists AVX2, FMA and F16C;
 - ``portable`` (no ISA flags) everywhere else.
 
@@ -99,6 +100,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.quant_dequantize_rows.restype = i
     lib.quant_row_bytes.argtypes = [i, n]
     lib.quant_row_bytes.restype = n
+    lib.quant_tile_bytes.argtypes = [i, n]
+    lib.quant_tile_bytes.restype = n
+    lib.quant_repack.argtypes = [i, p, n, n, p, i]
+    lib.quant_repack.restype = i
     lib.quant_rows_isa.argtypes = []
     lib.quant_rows_isa.restype = i
     return lib

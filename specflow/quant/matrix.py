@@ -2,9 +2,11 @@
 
 A ``QuantMatrix`` stands for ``W [N, K]`` stacked from parts (a fused q/k/v or gate/up is its
 parts, each in its own block type: a Q4_K_M file mixes Q4_K and Q6_K within one layer).  Each
-``QuantPart`` holds its rows' raw blocks as they lie in the file (``uint8 [n, row_bytes]``,
-no copy where the file is memory-mapped) or, for a float tensor (F32/F16/BF16), a float32
-``[n, K]`` multiplied by ``F.linear``.
+``QuantPart`` holds its rows' blocks: a 32-block type's as they lie in the file (``uint8 [n,
+row_bytes]``, no copy where the file is memory-mapped), a K-quant's (Q4_K, Q6_K) repacked once
+into tiles of 16 rows (``uint8 [ceil(n / 16), tile_bytes]``: the same values, laid out for the
+kernel's products), or, for a float tensor (F32/F16/BF16), a float32 ``[n, K]`` multiplied by
+``F.linear``.
 
 ``quant_linear(x, W, b)`` is ``x @ W.T + b`` with every quantized part multiplied by the
 quantized rows kernel (``specflow.quant.kernel``): activations quantized to 8 bits per block
@@ -26,6 +28,8 @@ from specflow.quant.kernel import kernel_status
 # ggml type id -> (name, values a block, bytes a block) for the types the kernel multiplies
 KERNEL_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
                 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
+TILED_TYPES = {12, 14}  # kept in tiles of TILE_ROWS rows (quant_repack)
+TILE_ROWS = 16
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
 
@@ -46,16 +50,14 @@ def type_name(ggml_type: int) -> str:
 
 @dataclass(frozen=True)
 class QuantPart:
-    """Rows of one GGUF tensor: ``blocks uint8 [n, row_bytes]`` of ``ggml_type`` standing for
-    ``[n, cols]`` values, or (``ggml_type`` a float type) ``blocks`` a float32 ``[n, cols]``."""
+    """``rows`` rows of one GGUF tensor standing for ``[rows, cols]`` values: ``blocks`` of
+    ``ggml_type`` as ``uint8 [rows, row_bytes]`` (a 32-block type) or ``uint8 [ceil(rows /
+    16), tile_bytes]`` tiles (a K-quant), or (a float type) a float32 ``[rows, cols]``."""
 
     ggml_type: int
     blocks: torch.Tensor
     cols: int
-
-    @property
-    def rows(self) -> int:
-        return self.blocks.shape[0]
+    rows: int
 
     @property
     def quantized(self) -> bool:
@@ -65,9 +67,15 @@ class QuantPart:
     def nbytes(self) -> int:
         return self.blocks.numel() * self.blocks.element_size()
 
+    @property
+    def tiled(self) -> bool:
+        return self.ggml_type in TILED_TYPES
+
     def prefix(self, rows: int) -> QuantPart:
-        """Its first ``rows`` rows (a view): each output row is its own sum."""
-        return QuantPart(self.ggml_type, self.blocks[:rows], self.cols)
+        """Its first ``rows`` rows (a view; a K-quant's last tile partly used): each output row
+        is its own sum."""
+        kept = -(-rows // TILE_ROWS) if self.tiled else rows
+        return QuantPart(self.ggml_type, self.blocks[:kept], self.cols, rows)
 
 
 def check_part(name: str, ggml_type: int, shape: tuple[int, int], row_bytes: int) -> None:
@@ -176,11 +184,22 @@ def dequantize(part: QuantPart) -> torch.Tensor:
 
 def part_from_numpy(ggml_type: int, data: np.ndarray, cols: int) -> QuantPart:
     """A part over a GGUF tensor's data as the reader gives it (``uint8 [n, row_bytes]`` for a
-    quantized type, no copy; a float type becomes float32 ``[n, cols]``)."""
+    quantized type: a 32-block type's kept as it is, no copy; a K-quant's repacked into tiles);
+    a float type becomes float32 ``[n, cols]``."""
     if ggml_type in FLOAT_TYPES:
         values = torch.from_numpy(np.asarray(data)).reshape(-1, cols)
-        return QuantPart(ggml_type, values.to(torch.float32).contiguous(), cols)
+        return QuantPart(ggml_type, values.to(torch.float32).contiguous(), cols, values.shape[0])
     with warnings.catch_warnings():  # a read-only memory map: the kernel only reads it
         warnings.simplefilter("ignore", UserWarning)
         blocks = torch.from_numpy(np.ascontiguousarray(data)).view(torch.uint8)
-    return QuantPart(ggml_type, blocks.reshape(data.shape[0], -1), cols)
+    rows = data.shape[0]
+    blocks = blocks.reshape(rows, -1)
+    if ggml_type not in TILED_TYPES:
+        return QuantPart(ggml_type, blocks, cols, rows)
+    lib = _library()
+    tile_bytes = lib.quant_tile_bytes(ggml_type, cols)
+    tiles = torch.empty(-(-rows // TILE_ROWS), tile_bytes, dtype=torch.uint8)
+    if lib.quant_repack(ggml_type, blocks.data_ptr(), rows, cols, tiles.data_ptr(),
+                        torch.get_num_threads()):
+        raise ValueError(f"quant_repack: {type_name(ggml_type)} [{rows}, {cols}]")
+    return QuantPart(ggml_type, tiles, cols, rows)

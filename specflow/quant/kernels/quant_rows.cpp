@@ -1,6 +1,6 @@
-// Products of a few rows with a GGUF-quantized matrix kept in its published blocks:
+// Products of a few rows with a GGUF-quantized matrix kept in its published values:
 // y[M, N] = x[M, K] W^T, W [N, K] in one of ggml's block types (Q4_0, Q4_1, Q5_0, Q8_0,
-// Q4_K, Q6_K), read as it lies in the file (no copy, no float weights).
+// Q4_K, Q6_K), no float weights.
 //
 // The activations are quantized to 8 bits first (as llama.cpp's quantized dot products do):
 // per block of B = 256 values for the K-quants (Q4_K, Q6_K), B = 32 for the others,
@@ -8,35 +8,44 @@
 //     dx = max|x| / 127,   x8 = round_half_even(x / dx)  in [-127, 127],
 //     bsum[j] = sum of x8 over the 16 values j*16 .. j*16+15 (int16).
 //
-// Each weight block is decoded once per call into unsigned codes c in natural order and its
-// integer or float scales, then multiplied into every row (the weights are read once for all
-// M rows: that is what makes a verification of a few rows cost little more than one; the
-// vector builds decode it into registers once per group of up to 4 (AVX2) or 8 (AVX-512)
-// rows, whose accumulators stay in registers over the whole output row):
+// K-quants (the bulk of a Q4_K_M file) are repacked once, at load, into tiles of 16 weight
+// rows (quant_repack; the same bits as the file, laid out for the product): per super-block
+// of 256 values, the 16 rows' scales side by side and their codes interleaved 4 values a
+// row, so one vector holds 4 values of each of the 16 rows.  A product then broadcasts 4 of
+// an activation row's 8-bit values against that vector (VNNI's u8 x s8 dot of 4 on AVX-512,
+// maddubs on AVX2): the vector lanes are weight rows, a tile's codes are decoded once per
+// group of activation rows, and a lane ends holding its whole (weight row, activation row)
+// sum.  Per super-block, for weight row n and activation row m (codes c, 8-bit x, all
+// integer sums exact in int32):
 //
-//   K-quants (a super-block of 256 = 16 groups of 16, scales s_j, offsets o_j small ints):
-//     w = d * s_j * c - dmin * o_j       (Q4_K: s, o per 32; Q6_K: s_j, o_j = 32 s_j, dmin = d)
-//     lane[i] = sum over the 8 chunks of 32 of   sum_{e = 4i..4i+3} c_e x8_e s_{j(e)}   (int32)
-//     low[i]  = bsum[2i] o_{2i} + bsum[2i+1] o_{2i+1}                                  (int32)
-//     acc[i] = fma(float(lane[i]), d * dx, acc[i]);  acc[i] = fma(float(low[i]), -(dmin * dx), acc[i])
-//   32-blocks (a float scale d and offset a per block):
+//   Q4_K (w = d s_ch c - dmin m_ch, one scale and min per 32 values, ch = 0..7):
+//     L   = sum_ch s_ch * sum_{e in ch} c_e x_e,    low = sum_ch m_ch * (bsum[2ch] + bsum[2ch+1])
+//     acc = fma(float(L), d * dx, acc);   acc = fma(float(low), -(dmin * dx), acc)
+//   Q6_K (w = d s_g (c - 32), one scale per 16 values, g = 0..15):
+//     L   = sum_g s_g * sum_{e in g} c_e x_e  -  32 * sum_g s_g bsum[g]
+//     acc = fma(float(L), d * dx, acc)
+//
+// and y = acc after the last super-block.  32-blocks (Q4_0, Q4_1, Q5_0, Q8_0) stay as the
+// file lays them (each block decoded once per call and multiplied into every row):
+//
 //     w = d * c + a                      (Q4_0: a = -8d; Q4_1: a = m; Q5_0: a = -16d; Q8_0: c signed, a = 0)
 //     lane[i] = sum_{e = 4i..4i+3} c_e x8_e;   acc[i] = fma(float(lane[i]), d * dx, acc[i])
 //     off = fma(a * dx, float(bsum[0] + bsum[1]), off)
+//     y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) + off.
 //
-// and finally y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) + off.
-// Every integer sum is exact (no int16 saturation: |c| <= 63 or signed 8-bit with |x8| <= 127);
-// every float step is the fixed sequence above, so a row's result does not depend on the
-// other rows, their number, the block of rows a call takes or the thread split: the same
-// bits at 1 row (decoding) and at k+1 rows (verification).  The AVX-512 build (BW + VNNI:
-// 64 values a row in one product, up to 8 rows in registers), the AVX2 build and the
-// portable build compute these same integer lanes and the same float sequence: the same bits.
+// Every integer sum is exact (no int16 saturation: |c| <= 63 or signed 8-bit with
+// |x8| <= 127; AVX2 sums at most 8 Q4_K or 2 Q6_K maddubs pairs in int16, < 32768); every
+// float step is the fixed sequence above, so a row's result does not depend on the other
+// rows, their number, the block of rows a call takes or the thread split: the same bits at 1
+// row (decoding) and at k+1 rows (verification).  The AVX-512 build (BW + VNNI), the AVX2
+// build and the portable build compute the same integers and the same float sequence: the
+// same bits.
 //
-// Memory: a pass streams the weights once (a 1.5B Q4_K_M file is 1 GiB); each super-block
-// fetches its row's bytes kPrefetchBytes ahead, so the loads overlap the arithmetic.
+// Memory: a pass streams the weights once (a 1.5B Q4_K_M file is 1 GiB; a Q4_K tile is 2.8%
+// larger than its rows in the file, a Q6_K tile the same size).
 //
-// Threads: OpenMP over output rows; loaded into a process that has loaded torch the library
-// binds to torch's libgomp, so it runs on the pool torch's operators use.
+// Threads: OpenMP over tiles (K-quants) or output rows; loaded into a process that has loaded
+// torch the library binds to torch's libgomp, so it runs on the pool torch's operators use.
 
 #include <cmath>
 #include <cstdint>
@@ -57,7 +66,7 @@ enum GgmlType : int {
 };
 
 constexpr int kRowsChunk = 16;  // rows a pass over the weights takes at most
-constexpr long kPrefetchBytes = 2048;  // how far ahead of the block in use its row's bytes are fetched
+constexpr long kPrefetchBytes = 2048;  // how far ahead of the block in use its row's bytes are fetched (32-blocks)
 // Values a call multiplies (or quantizes) below which it runs on one thread: a parallel
 // region costs more than a small matrix's product, and far more where other processes hold
 // the cores (a thread the barrier waits for is not running).
@@ -112,14 +121,6 @@ bool type_info(int type, TypeInfo* info) {
 }
 
 // ---------------------------------------------------------------- decoding a weight block
-// A decoded K-quant super-block: codes in natural order, sub-scales and offsets per 16.
-struct SuperBlock {
-  alignas(32) uint8_t c[256];
-  alignas(32) int16_t s[16];
-  alignas(32) int16_t o[16];
-  float d, dmin;
-};
-
 // A decoded 32-block: codes (unsigned, or signed for Q8_0), scale and offset.
 struct Block32 {
   alignas(32) uint8_t c[32];
@@ -142,73 +143,6 @@ inline void q4k_scales_mins(const uint8_t* q, uint8_t sc[8], uint8_t m[8]) {
   std::memcpy(m + 4, &m_hi, 4);
 }
 
-void decode_q4_K(const uint8_t* b, SuperBlock* sb) {
-  sb->d = fp16_to_f32(load_u16(b));
-  sb->dmin = fp16_to_f32(load_u16(b + 2));
-  alignas(16) uint8_t sc[16], m[16];
-  q4k_scales_mins(b + 4, sc, m);
-  for (int g = 0; g < 8; ++g) {
-    sb->s[2 * g] = sb->s[2 * g + 1] = sc[g];
-    sb->o[2 * g] = sb->o[2 * g + 1] = m[g];
-  }
-  const uint8_t* qs = b + 16;
-#if defined(__AVX2__)
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  for (int j = 0; j < 4; ++j) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(sb->c + 64 * j), _mm256_and_si256(q, m4));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(sb->c + 64 * j + 32),
-                       _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-  }
-#else
-  for (int j = 0; j < 4; ++j) {
-    for (int l = 0; l < 32; ++l) {
-      sb->c[64 * j + l] = qs[32 * j + l] & 0xF;
-      sb->c[64 * j + 32 + l] = qs[32 * j + l] >> 4;
-    }
-  }
-#endif
-}
-
-void decode_q6_K(const uint8_t* b, SuperBlock* sb) {
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  sb->d = sb->dmin = fp16_to_f32(load_u16(b + 208));
-  for (int j = 0; j < 16; ++j) {
-    sb->s[j] = sc[j];
-    sb->o[j] = static_cast<int16_t>(32 * sc[j]);
-  }
-  for (int h = 0; h < 2; ++h) {
-    const uint8_t* l = ql + 64 * h;
-    const uint8_t* hb = qh + 32 * h;
-    uint8_t* c = sb->c + 128 * h;
-#if defined(__AVX2__)
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
-    const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 32));
-    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hb));
-    auto high = [&](int shift) {  // ((qh >> shift) & 3) << 4, per byte
-      return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, shift), m2), 4);
-    };
-    _mm256_store_si256(reinterpret_cast<__m256i*>(c),
-                       _mm256_or_si256(_mm256_and_si256(a, m4), high(0)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(c + 32),
-                       _mm256_or_si256(_mm256_and_si256(a2, m4), high(2)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(c + 64),
-                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), high(4)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(c + 96),
-                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a2, 4), m4), high(6)));
-#else
-    for (int i = 0; i < 32; ++i) {
-      c[i] = (l[i] & 0xF) | (((hb[i] >> 0) & 3) << 4);
-      c[i + 32] = (l[i + 32] & 0xF) | (((hb[i] >> 2) & 3) << 4);
-      c[i + 64] = (l[i] >> 4) | (((hb[i] >> 4) & 3) << 4);
-      c[i + 96] = (l[i + 32] >> 4) | (((hb[i] >> 6) & 3) << 4);
-    }
-#endif
-  }
-}
 
 #if defined(__AVX2__)
 // 16 bytes of nibble pairs -> the 32 codes: low nibbles first, then high nibbles.
@@ -275,6 +209,7 @@ struct Q8Rows {
   std::vector<int8_t> q;     // [M, K]
   std::vector<float> d;      // [M, K / block]
   std::vector<int16_t> bsum; // [M, K / 16]
+  std::vector<int16_t> bsum32; // [M, K / 32]: bsum[2i] + bsum[2i+1]
   std::vector<float> dt;     // [K / block, M + 8]: d transposed (the rows of a block side by side)
 };
 
@@ -285,6 +220,7 @@ void quantize_rows(const float* x, int M, long K, int block, int threads, Q8Rows
   out->q.resize(static_cast<size_t>(M) * K);
   out->d.resize(static_cast<size_t>(M) * (K / block));
   out->bsum.resize(static_cast<size_t>(M) * (K / 16));
+  out->bsum32.resize(static_cast<size_t>(M) * (K / 32));
   const long nb = K / block;
   out->dt.assign(static_cast<size_t>(nb) * (M + 8), 0.0f);
 #pragma omp parallel for schedule(static) collapse(2) num_threads(threads) \
@@ -309,6 +245,8 @@ void quantize_rows(const float* x, int M, long K, int block, int threads, Q8Rows
         for (int i = 0; i < 16; ++i) s += q[16 * j + i];
         bs[j] = static_cast<int16_t>(s);
       }
+      int16_t* b32 = out->bsum32.data() + m * (K / 32) + b * (block / 32);
+      for (int j = 0; j < block / 32; ++j) b32[j] = static_cast<int16_t>(bs[2 * j] + bs[2 * j + 1]);
     }
   }
 }
@@ -322,28 +260,6 @@ struct Acc {
 inline float finish(const Acc& a) {
   const float* l = a.lane;
   return (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) + a.off;
-}
-
-// One K-quant super-block into one row's accumulator.
-inline void superblock_row(const SuperBlock& sb, const int8_t* x, const int16_t* bsum, float dx,
-                           Acc* acc) {
-  int32_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int ch = 0; ch < 8; ++ch) {
-    for (int i = 0; i < 8; ++i) {
-      int32_t s = 0;
-      for (int p = 0; p < 2; ++p) {  // the two int16 pairs of lane i, each scaled
-        const int e = 32 * ch + 4 * i + 2 * p;
-        const int32_t pair = sb.c[e] * x[e] + sb.c[e + 1] * x[e + 1];
-        s += pair * sb.s[e / 16];
-      }
-      lanes[i] += s;
-    }
-  }
-  for (int i = 0; i < 8; ++i) {
-    const int32_t low = bsum[2 * i] * sb.o[2 * i] + bsum[2 * i + 1] * sb.o[2 * i + 1];
-    float a = std::fma(static_cast<float>(lanes[i]), sb.d * dx, acc->lane[i]);
-    acc->lane[i] = std::fma(static_cast<float>(low), -(sb.dmin * dx), a);
-  }
 }
 
 // One 32-block into one row's accumulator.
@@ -360,246 +276,452 @@ inline void block32_row(const Block32& blk, bool is_signed, const int8_t* x, con
   acc->off = std::fma(blk.a * dx, static_cast<float>(bsum[0] + bsum[1]), acc->off);
 }
 
-#if defined(__AVX2__)
-// ---------------------------------------------------------------- K-quant rows in registers
-// The same sums as decode_q4_K / decode_q6_K + superblock_row, with the codes kept in
-// registers instead of a decoded block and a group of MC rows' accumulators kept in
-// registers over a whole output row: the integer lanes are exact sums (any order gives the
-// same int32), and each row's float sequence over the super-blocks is superblock_row's.
+// ---------------------------------------------------------------- K-quant tiles
+// A tile is 16 weight rows; its super-blocks follow one another, each laid out as below
+// (r a row of the tile, st a step of 4 values, e one of them; pairs hold sub-blocks 2p, 2p+1):
+//   Q4_K: d fp16[16] | dmin fp16[16] | scales u8[4 pairs][16 r][2] | mins u8[4][16][2]
+//         | codes[4 j][8 st][16 r][4 e]: c(64j + 4st + e) | c(64j + 32 + 4st + e) << 4
+//   Q6_K: d fp16[16] | scales s8[8 pairs][16 r][2] | for h = 0, 1: high bits[8 st][16 r][4 e] (the
+//         top 2 bits of chunk 4h + q at bit 2q) | low nibbles[2 j][8 st][16 r][4 e] of pairs
+//         j = 2h, 2h+1 (as Q4_K's codes)
+constexpr int kTileRows = 16;
+struct TileLayout { int bytes, d, dmin, scales, mins, codes, high; };
+constexpr TileLayout kQ4KTile{2368, 0, 32, 64, 192, 320, -1};
+constexpr TileLayout kQ6KTile{3360, 0, -1, 32, -1, 288, 288};
+inline const TileLayout& tile_layout(int type) { return type == kQ4_K ? kQ4KTile : kQ6KTile; }
+// Where the 64 bytes of step st of chunk pair j start: Q4_K's codes in order; Q6_K's in two
+// runs of [high bits of pairs 2h, 2h+1 | low nibbles of 2h | of 2h+1] (h = j / 2), so a
+// super-block is read front to back.
+constexpr int code_at(int type, int j, int st) {
+  return type == kQ4_K ? 320 + (j * 8 + st) * 64 : 288 + (j / 2) * 1536 + 512 + (j % 2) * 512 + st * 64;
+}
+constexpr int high_at(int j, int st) { return 288 + (j / 2) * 1536 + st * 64; }
 
-// Chunk ch's int16 scale vector from s16 (the 16 sub-scales as int16): s[2ch] in lanes 0..7,
-// s[2ch+1] in lanes 8..15 (both sit in dword ch).
-inline __m256i chunk_scales(__m256i s16, int ch) {
-  const __m256i dw = _mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(ch));
-  return _mm256_shuffle_epi8(dw, _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
-                                                 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
-}
-
-// Two consecutive chunks of 32 codes (values k .. k+31 and k+32 .. k+63) into the MC rows'
-// integer lanes.  AVX-512 (BW + VNNI): one 64-byte product a row, the two chunks' lanes side
-// by side (lanes 0..7 the first chunk's, 8..15 the second's; added together when the
-// super-block ends: the same exact int32 sums).  AVX2: a chunk at a time.
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-using Lanes = __m512i;
-inline __m512i pair512(__m256i lo, __m256i hi) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-template <int MC>
-inline void chunk_pair_rows512(__m512i cv, __m512i sv, const int8_t* const* x, long k,
-                               Lanes* lanes) {
-  for (int r = 0; r < MC; ++r) {
-    const __m512i xv = _mm512_loadu_si512(x[r] + k);
-    lanes[r] = _mm512_dpwssd_epi32(lanes[r], _mm512_maddubs_epi16(cv, xv), sv);
-  }
-}
-// Chunks ch and ch+1's int16 scales in one vector: lanes 8i..8i+7 take s[2ch + i] (one
-// permutation of the 16 sub-scales s16).
-inline __m512i pair_scales(__m256i s16, int ch) {
-  const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(2 * ch)),
-                                       _mm512_srli_epi16(_mm512_set_epi16(
-      31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
-      15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
-  return _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(s16));
-}
-inline __m256i fold_lanes(__m512i v) {
-  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-}
-inline __m512i zero_lanes() { return _mm512_setzero_si512(); }
-#else
-using Lanes = __m256i;
-template <int MC>
-inline void chunk_pair_rows(__m256i c0, __m256i s0, __m256i c1, __m256i s1,
-                            const int8_t* const* x, long k, Lanes* lanes) {
-  for (int r = 0; r < MC; ++r) {
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + k));
-    lanes[r] = _mm256_add_epi32(lanes[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c0, x0), s0));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + k + 32));
-    lanes[r] = _mm256_add_epi32(lanes[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c1, x1), s1));
-  }
-}
-inline __m256i fold_lanes(__m256i v) { return v; }
-inline __m256i zero_lanes() { return _mm256_setzero_si256(); }
-#endif
-
-// Chunks ch and ch+1 (codes c0, c1; the 16 sub-scales s16) into the MC rows' lanes.
-template <int MC>
-inline void scaled_pair_rows(__m256i c0, __m256i c1, __m256i s16, int ch,
-                             const int8_t* const* x, long k, Lanes* lanes) {
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  chunk_pair_rows512<MC>(pair512(c0, c1), pair_scales(s16, ch), x, k, lanes);
-#else
-  chunk_pair_rows<MC>(c0, chunk_scales(s16, ch), c1, chunk_scales(s16, ch + 1), x, k, lanes);
-#endif
-}
-
-// The float side of a super-block for MC rows: per row r (dx its activations' scale),
-//   acc_r = fma(float(lane_r), d * dx, acc_r);  acc_r = fma(float(low_r), -(dmin * dx), acc_r)
-// with low_r[i] = bsum_r[2i] o[2i] + bsum_r[2i+1] o[2i+1].  AVX-512 runs it for two rows in
-// one 16-lane vector (rows r and r+1 side by side; an odd last row beside itself), the
-// scales d * dx of the rows taken from the transposed dx at once; AVX2 (and one row) a row
-// at a time.  The same products and fmas per lane: the same bits.  (-dmin) * dx is
-// -(dmin * dx) exactly.
-template <int MC>
-struct RowAccSingles {
-  __m256 acc[MC];
-  RowAccSingles() {
-    for (int r = 0; r < MC; ++r) acc[r] = _mm256_setzero_ps();
-  }
-  void add_superblock(const Lanes* lanes, __m256i o16, float d, float dmin, const Q8Rows& xq,
-                      int m0, long b, const int16_t* bsum, long n16) {
-    for (int r = 0; r < MC; ++r) {
-      const float dx = xq.dt[b * (xq.M + 8) + m0 + r];
-      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum + r * n16));
-      const __m256i low = _mm256_madd_epi16(bs, o16);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_lanes(lanes[r])), _mm256_set1_ps(d * dx),
-                               acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_set1_ps(-(dmin * dx)), acc[r]);
-    }
-  }
-  void finish_rows(float* out) const {
-    for (int r = 0; r < MC; ++r) {
-      Acc a;
-      _mm256_storeu_ps(a.lane, acc[r]);
-      a.off = 0.0f;
-      out[r] = finish(a);
-    }
-  }
+// One super-block of one weight row, in natural order.
+struct RowSuper {
+  uint8_t c[256];    // codes
+  int s[16];         // Q4_K: scale per 32 (s[0..7]); Q6_K: per 16
+  int m[8];          // Q4_K: min per 32
+  uint16_t d, dmin;  // fp16 bits
 };
 
+void unpack_file_block(int type, const uint8_t* b, RowSuper* r) {
+  std::memset(r, 0, sizeof(RowSuper));
+  if (type == kQ4_K) {
+    r->d = load_u16(b);
+    r->dmin = load_u16(b + 2);
+    uint8_t sc[8], m[8];
+    q4k_scales_mins(b + 4, sc, m);
+    for (int g = 0; g < 8; ++g) { r->s[g] = sc[g]; r->m[g] = m[g]; }
+    const uint8_t* qs = b + 16;
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 32; ++l) {
+        r->c[64 * j + l] = qs[32 * j + l] & 0xF;
+        r->c[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+      }
+    }
+    return;
+  }
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  r->d = load_u16(b + 208);
+  for (int g = 0; g < 16; ++g) r->s[g] = sc[g];
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* l = ql + 64 * h;
+    const uint8_t* hb = qh + 32 * h;
+    uint8_t* c = r->c + 128 * h;
+    for (int i = 0; i < 32; ++i) {
+      c[i] = (l[i] & 0xF) | (((hb[i] >> 0) & 3) << 4);
+      c[i + 32] = (l[i + 32] & 0xF) | (((hb[i] >> 2) & 3) << 4);
+      c[i + 64] = (l[i] >> 4) | (((hb[i] >> 4) & 3) << 4);
+      c[i + 96] = (l[i + 32] >> 4) | (((hb[i] >> 6) & 3) << 4);
+    }
+  }
+}
+
+void pack_tile_row(int type, const RowSuper& s, int r, uint8_t* t) {
+  const TileLayout& L = tile_layout(type);
+  std::memcpy(t + L.d + 2 * r, &s.d, 2);
+  const int pairs = type == kQ4_K ? 4 : 8;
+  for (int p = 0; p < pairs; ++p) {
+    for (int q = 0; q < 2; ++q) {
+      t[L.scales + (p * 16 + r) * 2 + q] = static_cast<uint8_t>(s.s[2 * p + q]);
+      if (type == kQ4_K) t[L.mins + (p * 16 + r) * 2 + q] = static_cast<uint8_t>(s.m[2 * p + q]);
+    }
+  }
+  if (type == kQ4_K) std::memcpy(t + L.dmin + 2 * r, &s.dmin, 2);
+  for (int j = 0; j < 4; ++j) {
+    for (int st = 0; st < 8; ++st) {
+      for (int e = 0; e < 4; ++e) {
+        const int a = s.c[64 * j + 4 * st + e], b = s.c[64 * j + 32 + 4 * st + e];
+        t[code_at(type, j, st) + r * 4 + e] = static_cast<uint8_t>((a & 0xF) | ((b & 0xF) << 4));
+        if (type == kQ6_K) {
+          t[high_at(j, st) + r * 4 + e] |=
+              static_cast<uint8_t>(((a >> 4) << (4 * (j % 2))) | ((b >> 4) << (4 * (j % 2) + 2)));
+        }
+      }
+    }
+  }
+}
+
+void unpack_tile_row(int type, const uint8_t* t, int r, RowSuper* s) {
+  const TileLayout& L = tile_layout(type);
+  std::memset(s, 0, sizeof(RowSuper));
+  std::memcpy(&s->d, t + L.d + 2 * r, 2);
+  const int pairs = type == kQ4_K ? 4 : 8;
+  for (int p = 0; p < pairs; ++p) {
+    for (int q = 0; q < 2; ++q) {
+      const uint8_t v = t[L.scales + (p * 16 + r) * 2 + q];
+      s->s[2 * p + q] = type == kQ4_K ? v : static_cast<int8_t>(v);
+      if (type == kQ4_K) s->m[2 * p + q] = t[L.mins + (p * 16 + r) * 2 + q];
+    }
+  }
+  if (type == kQ4_K) std::memcpy(&s->dmin, t + L.dmin + 2 * r, 2);
+  for (int j = 0; j < 4; ++j) {
+    for (int st = 0; st < 8; ++st) {
+      for (int e = 0; e < 4; ++e) {
+        const uint8_t v = t[code_at(type, j, st) + r * 4 + e];
+        int a = v & 0xF, b = v >> 4;
+        if (type == kQ6_K) {
+          const uint8_t h = t[high_at(j, st) + r * 4 + e];
+          a |= ((h >> (4 * (j % 2))) & 3) << 4;
+          b |= ((h >> (4 * (j % 2) + 2)) & 3) << 4;
+        }
+        s->c[64 * j + 4 * st + e] = static_cast<uint8_t>(a);
+        s->c[64 * j + 32 + 4 * st + e] = static_cast<uint8_t>(b);
+      }
+    }
+  }
+}
+
+// One super-block of one (weight row, activation row) into acc: the header's sequence.
+inline float tile_step(int type, const RowSuper& s, const int8_t* x, const int16_t* bsum,
+                       float dx, float acc) {
+  const float d = fp16_to_f32(s.d);
+  int32_t sum = 0, low = 0;
+  if (type == kQ4_K) {
+    for (int ch = 0; ch < 8; ++ch) {
+      int32_t t = 0;
+      for (int e = 32 * ch; e < 32 * ch + 32; ++e) t += s.c[e] * x[e];
+      sum += s.s[ch] * t;
+      low += s.m[ch] * (bsum[2 * ch] + bsum[2 * ch + 1]);
+    }
+    acc = std::fma(static_cast<float>(sum), d * dx, acc);
+    return std::fma(static_cast<float>(low), -(fp16_to_f32(s.dmin) * dx), acc);
+  }
+  for (int g = 0; g < 16; ++g) {
+    int32_t t = 0;
+    for (int e = 16 * g; e < 16 * g + 16; ++e) t += s.c[e] * x[e];
+    sum += s.s[g] * t;
+    low += s.s[g] * bsum[g];
+  }
+  return std::fma(static_cast<float>(sum - 32 * low), d * dx, acc);
+}
+
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-template <int MC>
-struct RowAccPairs {
-  static constexpr int kPairs = (MC + 1) / 2;
-  __m512 acc[kPairs];
-  RowAccPairs() {
-    for (int p = 0; p < kPairs; ++p) acc[p] = _mm512_setzero_ps();
-  }
-  static __m512i pair_index(int p) {  // lanes 0..7 from row 2p, 8..15 from row 2p+1 (or 2p)
-    const int second = 2 * p + 1 < MC ? 2 * p + 1 : 2 * p;
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * p)),
-                              _mm256_set1_epi32(second), 1);
-  }
-  void add_superblock(const Lanes* lanes, __m256i o16, float d, float dmin, const Q8Rows& xq,
-                      int m0, long b, const int16_t* bsum, long n16) {
-    const __m256 dxv = _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << MC) - 1),
-                                             xq.dt.data() + b * (xq.M + 8) + m0);
-    const __m512 dd = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(d), dxv));
-    const __m512 dm = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(-dmin), dxv));
-    const __m512i o512 = _mm512_inserti64x4(_mm512_castsi256_si512(o16), o16, 1);
-    for (int p = 0; p < kPairs; ++p) {
-      const int r0 = 2 * p, r1 = 2 * p + 1 < MC ? 2 * p + 1 : 2 * p;
-      const __m512i lo = _mm512_shuffle_i64x2(lanes[r0], lanes[r1], 0x44);
-      const __m512i hi = _mm512_shuffle_i64x2(lanes[r0], lanes[r1], 0xEE);
-      const __m512i folded = _mm512_add_epi32(lo, hi);  // [row r0's 8 lanes, row r1's]
-      const __m512i bs = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum + r0 * n16))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum + r1 * n16)), 1);
-      const __m512i low = _mm512_madd_epi16(bs, o512);
-      const __m512i idx = pair_index(p);
-      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(folded), _mm512_permutexvar_ps(idx, dd), acc[p]);
-      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), _mm512_permutexvar_ps(idx, dm), acc[p]);
-    }
-  }
-  void finish_rows(float* out) const {
-    for (int r = 0; r < MC; ++r) {
-      Acc a;
-      const __m512 pair = acc[r / 2];
-      const __m256 half = r % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair), 1))
-                                : _mm512_castps512_ps256(pair);
-      _mm256_storeu_ps(a.lane, half);
-      a.off = 0.0f;
-      out[r] = finish(a);
-    }
-  }
-};
-template <int MC>
-using RowAcc = std::conditional_t<(MC > 1), RowAccPairs<MC>, RowAccSingles<MC>>;
+constexpr int kTileGroup = 8;  // activation rows a tile's codes are decoded for at a time
 #else
-template <int MC>
-using RowAcc = RowAccSingles<MC>;
+constexpr int kTileGroup = 4;
 #endif
 
-// Output row `row` (nblocks super-blocks of `type`) for MC rows of the quantized activations
-// starting at m0: out[r] = the row's value for activation row m0 + r.
-template <int MC>
-void ksuper_rows(int type, int bytes, const uint8_t* row, long nblocks, const Q8Rows& xq, int m0,
-                 float* out) {
-  const long K = xq.K;
-  const long n16 = K / 16;
+constexpr long kTilePrefetch = 3360;  // how far ahead of the super-block in use a tile is fetched
+
+inline int32_t load_i32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// MC activation rows (m0 ..) times one tile (16 weight rows, nvalid of them real):
+// y[m0 + r, n0 + i] for i < nvalid.  Lanes are the tile's weight rows.
+template <int MC, bool Q6>
+void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, float* y, long ldy,
+               long n0, int nvalid, bool fetch) {
+  constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
+  const long K = xq.K, n16 = K / 16, n32 = K / 32;
   const int8_t* x[MC];
-  RowAcc<MC> acc;
-  for (int r = 0; r < MC; ++r) x[r] = xq.q.data() + (m0 + r) * K;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  for (long b = 0; b < nblocks; ++b) {
-    const uint8_t* src = row + b * bytes;
-    for (int line = 0; line < bytes; line += 64) {  // the row's bytes ahead, into cache
-      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + line), _MM_HINT_T0);
-    }
-    const long k0 = b * 256;
-    Lanes lanes[MC];
-    for (int r = 0; r < MC; ++r) lanes[r] = zero_lanes();
-    float d, dmin;
-    __m256i o16;  // the offsets per 16 values, int16
-    if (type == kQ4_K) {
-      d = fp16_to_f32(load_u16(src));
-      dmin = fp16_to_f32(load_u16(src + 2));
-      alignas(16) uint8_t sc[16], m[16];
-      q4k_scales_mins(src + 4, sc, m);
-      const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
-      const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
-      const __m256i s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
-      o16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
-      const uint8_t* qs = src + 16;
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-      const __m512i m4w = _mm512_set1_epi8(0x0F);
-      for (int j = 0; j < 4; ++j) {  // 32 bytes: low nibbles (chunk 2j), high nibbles (2j+1)
-        const __m512i q = _mm512_broadcast_i64x4(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
-        const __m512i cv = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFFFF0000u, q, 4), m4w);
-        chunk_pair_rows512<MC>(cv, pair_scales(s16, 2 * j), x, k0 + 64 * j, lanes);
-      }
-#else
-      for (int j = 0; j < 4; ++j) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-        scaled_pair_rows<MC>(_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
-                             s16, 2 * j, x, k0 + 64 * j, lanes);
-      }
-#endif
-    } else {  // Q6_K
-      const uint8_t* ql = src;
-      const uint8_t* qh = src + 128;
-      d = dmin = fp16_to_f32(load_u16(src + 208));
-      const __m256i s16 = _mm256_cvtepi8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 192)));
-      o16 = _mm256_slli_epi16(s16, 5);
-      const __m256i m2 = _mm256_set1_epi8(3);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-        const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-        auto high = [&](int shift) {  // ((qh >> shift) & 3) << 4, per byte
-          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, shift), m2), 4);
-        };
-        const long k = k0 + 128 * h;
-        scaled_pair_rows<MC>(_mm256_or_si256(_mm256_and_si256(a, m4), high(0)),
-                             _mm256_or_si256(_mm256_and_si256(a2, m4), high(2)),
-                             s16, 4 * h, x, k, lanes);
-        scaled_pair_rows<MC>(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), high(4)),
-                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a2, 4), m4), high(6)),
-                             s16, 4 * h + 2, x, k + 64, lanes);
-      }
-    }
-    acc.add_superblock(lanes, o16, d, dmin, xq, m0, b, xq.bsum.data() + m0 * n16 + k0 / 16, n16);
+  const int16_t* bs[MC];
+  const int16_t* bs32[MC];
+  __m512 acc[MC];
+  for (int r = 0; r < MC; ++r) {
+    x[r] = xq.q.data() + (m0 + r) * K;
+    bs[r] = xq.bsum.data() + (m0 + r) * n16;
+    bs32[r] = xq.bsum32.data() + (m0 + r) * n32;
+    acc[r] = _mm512_setzero_ps();
   }
-  acc.finish_rows(out);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  for (long b = 0; b < nblocks; ++b) {
+    const uint8_t* t = tile + b * L.bytes;
+    if (fetch) {  // the next super-block's bytes, into cache
+      for (int line = 0; line < L.bytes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(t + kTilePrefetch + line), _MM_HINT_T0);
+      }
+    }
+    __m512i sum[MC], low[MC];
+    for (int r = 0; r < MC; ++r) sum[r] = low[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[8], hi[8];
+      for (int st = 0; st < 8; ++st) {
+        const __m512i q = _mm512_loadu_si512(t + code_at(Q6 ? kQ6_K : kQ4_K, j, st));
+        lo[st] = _mm512_and_si512(q, m4);
+        hi[st] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        if (Q6) {  // the top 2 bits (at bits 4(j % 2) and 4(j % 2) + 2) moved to bits 4-5
+          const __m512i h = _mm512_loadu_si512(t + high_at(j, st));
+          const __m512i ha = j % 2 ? h : _mm512_slli_epi16(h, 4);
+          const __m512i hb = j % 2 ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
+          lo[st] = _mm512_ternarylogic_epi32(q, m4, _mm512_and_si512(ha, m30), 0xEA);  // (q & m4) | h
+          hi[st] = _mm512_or_si512(hi[st], _mm512_and_si512(hb, m30));
+        }
+      }
+      if (!Q6) {
+        const __m512i sp = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L.scales + j * 32)));
+        const __m512i sa = _mm512_and_si512(sp, low16), sb = _mm512_srli_epi32(sp, 16);
+        for (int r = 0; r < MC; ++r) {
+          const int8_t* xr = x[r] + b * 256 + 64 * j;
+          __m512i ta = _mm512_setzero_si512(), tb = _mm512_setzero_si512();
+          for (int st = 0; st < 8; ++st) {
+            ta = _mm512_dpbusd_epi32(ta, lo[st], _mm512_set1_epi32(load_i32(xr + 4 * st)));
+            tb = _mm512_dpbusd_epi32(tb, hi[st], _mm512_set1_epi32(load_i32(xr + 32 + 4 * st)));
+          }
+          sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(_mm512_mullo_epi32(ta, sa),
+                                                             _mm512_mullo_epi32(tb, sb)));
+        }
+      } else {
+        const __m512i p0 = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L.scales + 2 * j * 32)));
+        const __m512i p1 = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L.scales + (2 * j + 1) * 32)));
+        const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(p0, 16), 16);
+        const __m512i s1 = _mm512_srai_epi32(p0, 16);
+        const __m512i s2 = _mm512_srai_epi32(_mm512_slli_epi32(p1, 16), 16);
+        const __m512i s3 = _mm512_srai_epi32(p1, 16);
+        for (int r = 0; r < MC; ++r) {
+          const int8_t* xr = x[r] + b * 256 + 64 * j;
+          __m512i t0 = _mm512_setzero_si512(), t1 = t0, t2 = t0, t3 = t0;
+          for (int st = 0; st < 4; ++st) {
+            t0 = _mm512_dpbusd_epi32(t0, lo[st], _mm512_set1_epi32(load_i32(xr + 4 * st)));
+            t1 = _mm512_dpbusd_epi32(t1, lo[st + 4], _mm512_set1_epi32(load_i32(xr + 16 + 4 * st)));
+            t2 = _mm512_dpbusd_epi32(t2, hi[st], _mm512_set1_epi32(load_i32(xr + 32 + 4 * st)));
+            t3 = _mm512_dpbusd_epi32(t3, hi[st + 4], _mm512_set1_epi32(load_i32(xr + 48 + 4 * st)));
+          }
+          const __m512i a = _mm512_add_epi32(_mm512_mullo_epi32(t0, s0), _mm512_mullo_epi32(t1, s1));
+          const __m512i c = _mm512_add_epi32(_mm512_mullo_epi32(t2, s2), _mm512_mullo_epi32(t3, s3));
+          sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(a, c));
+          const int16_t* bj = bs[r] + b * 16 + 4 * j;
+          low[r] = _mm512_dpwssd_epi32(low[r], _mm512_set1_epi32(load_i32(bj)), p0);
+          low[r] = _mm512_dpwssd_epi32(low[r], _mm512_set1_epi32(load_i32(bj + 2)), p1);
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L.d)));
+    const long dt = b * (xq.M + 8) + m0;
+    if (Q6) {
+      for (int r = 0; r < MC; ++r) {
+        const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(xq.dt[dt + r]));
+        const __m512i v = _mm512_sub_epi32(sum[r], _mm512_slli_epi32(low[r], 5));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), dd, acc[r]);
+      }
+    } else {
+      const __m512 dmin = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L.dmin)));
+      __m512i mp[4];
+      for (int p = 0; p < 4; ++p) {
+        mp[p] = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L.mins + 32 * p)));
+      }
+      for (int r = 0; r < MC; ++r) {
+        const __m512 dx = _mm512_set1_ps(xq.dt[dt + r]);
+        __m512i lw = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p) {
+          lw = _mm512_dpwssd_epi32(lw, _mm512_set1_epi32(load_i32(bs32[r] + b * 8 + 2 * p)), mp[p]);
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(d, dx), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(lw), _mm512_mul_ps(dmin, dx), acc[r]);
+      }
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << nvalid) - 1);
+  for (int r = 0; r < MC; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, keep, acc[r]);
+}
+#elif defined(__AVX2__)
+// As the AVX-512 tile_rows, 8 weight rows (half h of the tile) a vector; the u8 x s8 dots of
+// 4 by maddubs (pairs in int16) summed in int16 over up to 8 steps (Q4_K) or 2 (Q6_K), then
+// scaled into int32 by madd against (s, s) pairs.
+template <int MC, bool Q6>
+void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, float* y, long ldy,
+               long n0, int nvalid, bool fetch) {
+  constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
+  const long K = xq.K, n16 = K / 16, n32 = K / 32;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+  const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i second = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                          2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+  auto bcast = [](const void* p) { return _mm256_set1_epi32(load_i32(p)); };
+  for (int h = 0; h < 2 && 8 * h < nvalid; ++h) {
+    __m256 acc[MC];
+    for (int r = 0; r < MC; ++r) acc[r] = _mm256_setzero_ps();
+    for (long b = 0; b < nblocks; ++b) {
+      const uint8_t* t = tile + b * L.bytes;
+      if (fetch && h == 0) {  // the next super-block's bytes, into cache
+        for (int line = 0; line < L.bytes; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(t + kTilePrefetch + line), _MM_HINT_T0);
+        }
+      }
+      __m256i sum[MC], low[MC];
+      for (int r = 0; r < MC; ++r) sum[r] = low[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        for (int side = 0; side < 2; ++side) {
+          __m256i c[8];
+          for (int st = 0; st < 8; ++st) {
+            const __m256i q = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(t + code_at(Q6 ? kQ6_K : kQ4_K, j, st) + 32 * h));
+            c[st] = _mm256_and_si256(side ? _mm256_srli_epi16(q, 4) : q, m4);
+            if (Q6) {
+              const __m256i hb = _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(t + high_at(j, st) + 32 * h));
+              const __m256i hs = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * (j % 2) + 2 * side));
+              c[st] = _mm256_or_si256(c[st], _mm256_slli_epi16(_mm256_and_si256(hs, m2), 4));
+            }
+          }
+          const int p = 2 * j + side;  // Q6_K: the pair of groups 2p, 2p+1 (this chunk)
+          const __m256i sp = Q6 ? _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(t + L.scales + p * 32 + 16 * h)))
+                                : _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(t + L.scales + j * 32 + 16 * h)));
+          const __m256i sv0 = _mm256_shuffle_epi8(sp, Q6 || !side ? first : second);
+          const __m256i sv1 = _mm256_shuffle_epi8(sp, second);
+          for (int r = 0; r < MC; ++r) {
+            const int8_t* xr = xq.q.data() + (m0 + r) * K + b * 256 + 64 * j + 32 * side;
+            if (!Q6) {
+              __m256i t16 = _mm256_maddubs_epi16(c[0], bcast(xr));
+              for (int st = 1; st < 8; ++st) {
+                t16 = _mm256_add_epi16(t16, _mm256_maddubs_epi16(c[st], bcast(xr + 4 * st)));
+              }
+              sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(t16, sv0));
+            } else {
+              __m256i part[4];
+              for (int k = 0; k < 4; ++k) {
+                part[k] = _mm256_add_epi16(_mm256_maddubs_epi16(c[2 * k], bcast(xr + 8 * k)),
+                                           _mm256_maddubs_epi16(c[2 * k + 1], bcast(xr + 8 * k + 4)));
+              }
+              const __m256i g0 = _mm256_add_epi32(_mm256_madd_epi16(part[0], sv0),
+                                                  _mm256_madd_epi16(part[1], sv0));
+              const __m256i g1 = _mm256_add_epi32(_mm256_madd_epi16(part[2], sv1),
+                                                  _mm256_madd_epi16(part[3], sv1));
+              sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(g0, g1));
+              const int16_t* bp = xq.bsum.data() + (m0 + r) * n16 + b * 16 + 2 * p;
+              low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(bcast(bp), sp));
+            }
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + L.d + 16 * h)));
+      const long dt = b * (xq.M + 8) + m0;
+      if (Q6) {
+        for (int r = 0; r < MC; ++r) {
+          const __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(xq.dt[dt + r]));
+          const __m256i v = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(low[r], 5));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dd, acc[r]);
+        }
+      } else {
+        const __m256 dmin = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + L.dmin + 16 * h)));
+        __m256i mp[4];
+        for (int p = 0; p < 4; ++p) {
+          mp[p] = _mm256_cvtepu8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + L.mins + 32 * p + 16 * h)));
+        }
+        for (int r = 0; r < MC; ++r) {
+          const __m256 dx = _mm256_set1_ps(xq.dt[dt + r]);
+          const int16_t* b32 = xq.bsum32.data() + (m0 + r) * n32 + b * 8;
+          __m256i lw = _mm256_setzero_si256();
+          for (int p = 0; p < 4; ++p) lw = _mm256_add_epi32(lw, _mm256_madd_epi16(bcast(b32 + 2 * p), mp[p]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[r]);
+          acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(lw), _mm256_mul_ps(dmin, dx), acc[r]);
+        }
+      }
+    }
+    const int here = nvalid - 8 * h < 8 ? nvalid - 8 * h : 8;
+    for (int r = 0; r < MC; ++r) {
+      float* out = y + (m0 + r) * ldy + n0 + 8 * h;
+      if (here == 8) {
+        _mm256_storeu_ps(out, acc[r]);
+      } else {
+        alignas(32) float v[8];
+        _mm256_store_ps(v, acc[r]);
+        for (int i = 0; i < here; ++i) out[i] = v[i];
+      }
+    }
+  }
+}
+#endif
+
+// Tiles [t0, t1) of a K-quant matrix (N rows) for activation rows [m0, m0 + mc).
+void tile_range(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq, int m0, int mc,
+                float* y, long ldy, long t0, long t1, long N) {
+  const long nblocks = xq.K / 256;
+#if defined(__AVX2__)
+  const bool q6 = type == kQ6_K;
+  for (long tt = t0; tt < t1; ++tt) {
+    const long n0 = tt * kTileRows;
+    const int nvalid = N - n0 < kTileRows ? static_cast<int>(N - n0) : kTileRows;
+    const uint8_t* tile = w + tt * tile_bytes;
+    for (int g = 0; g < mc; g += kTileGroup) {
+      const int rows = mc - g < kTileGroup ? mc - g : kTileGroup;
+      const int m = m0 + g;
+      switch (rows * 2 + q6) {
+        case 2: tile_rows<1, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 3: tile_rows<1, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 4: tile_rows<2, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 5: tile_rows<2, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 6: tile_rows<3, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 7: tile_rows<3, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 8: tile_rows<4, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+        case 9: tile_rows<4, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 10: tile_rows<5, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 11: tile_rows<5, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 12: tile_rows<6, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 13: tile_rows<6, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 14: tile_rows<7, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 15: tile_rows<7, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        case 16: tile_rows<8, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+        default: tile_rows<8, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+#else
+        default: tile_rows<4, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+#endif
+      }
+    }
+  }
+#else  // portable: each tile row's super-block unpacked once, then multiplied into every row
+  const TileLayout& L = tile_layout(type);
+  const long K = xq.K, n16 = K / 16;
+  RowSuper s;
+  float acc[kRowsChunk];
+  for (long tt = t0; tt < t1; ++tt) {
+    for (int i = 0; i < kTileRows && tt * kTileRows + i < N; ++i) {
+      for (int r = 0; r < mc; ++r) acc[r] = 0.0f;
+      for (long b = 0; b < nblocks; ++b) {
+        unpack_tile_row(type, w + tt * tile_bytes + b * L.bytes, i, &s);
+        for (int r = 0; r < mc; ++r) {
+          const int m = m0 + r;
+          acc[r] = tile_step(type, s, xq.q.data() + m * K + b * 256, xq.bsum.data() + m * n16 + b * 16,
+                             xq.dt[b * (xq.M + 8) + m], acc[r]);
+        }
+      }
+      for (int r = 0; r < mc; ++r) y[(m0 + r) * ldy + tt * kTileRows + i] = acc[r];
+    }
+  }
+#endif
 }
 
+#if defined(__AVX2__)
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int kRegisterRows = 8;  // rows a group keeps in registers (32 vector registers)
+constexpr int kRegisterRows = 8;  // rows a 32-block group keeps in registers (32 vector registers)
 #else
-constexpr int kRegisterRows = 4;  // rows a group keeps in registers (16 vector registers)
+constexpr int kRegisterRows = 4;  // rows a 32-block group keeps in registers (16 vector registers)
 #endif
-
 // ---------------------------------------------------------------- 32-block rows in registers
 // The same sums as decode_block32 + block32_row, with the codes in a register and a group of
 // MC rows' accumulators (lanes and offset) kept in registers over a whole output row: each
@@ -656,58 +778,44 @@ void block32_rows(int type, int bytes, const uint8_t* row, long nblocks, const Q
   }
 }
 
-template <int MC>
-inline void rows_in_registers(int type, const TypeInfo& info, const uint8_t* row, long nblocks,
-                              const Q8Rows& xq, int m0, float* out) {
-  if (info.k_quant) {
-    ksuper_rows<MC>(type, info.bytes, row, nblocks, xq, m0, out);
-  } else {
-    block32_rows<MC>(type, info.bytes, row, nblocks, xq, m0, out);
-  }
-}
 
-// Output rows [n0, n1) of one part for rows [m0, m0 + mc), in groups of <= kRegisterRows
-// rows, each group's accumulators in registers.
-void register_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes,
-                    const Q8Rows& xq, int m0, int mc, float* y, long ldy, long n0, long n1) {
-  const long nblocks = xq.K / info.block;
+// Output rows [n0, n1) of a 32-block matrix for rows [m0, m0 + mc), in groups of
+// <= kRegisterRows rows, each group's accumulators in registers.
+void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes,
+                   const Q8Rows& xq, int m0, int mc, float* y, long ldy, long n0, long n1) {
+  const long nblocks = xq.K / 32;
   float out[kRegisterRows];
   for (long n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     for (int g = 0; g < mc; g += kRegisterRows) {
       const int rows = mc - g < kRegisterRows ? mc - g : kRegisterRows;
       switch (rows) {
-        case 1: rows_in_registers<1>(type, info, row, nblocks, xq, m0 + g, out); break;
-        case 2: rows_in_registers<2>(type, info, row, nblocks, xq, m0 + g, out); break;
-        case 3: rows_in_registers<3>(type, info, row, nblocks, xq, m0 + g, out); break;
+        case 1: block32_rows<1>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
+        case 2: block32_rows<2>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
+        case 3: block32_rows<3>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        case 4: rows_in_registers<4>(type, info, row, nblocks, xq, m0 + g, out); break;
-        case 5: rows_in_registers<5>(type, info, row, nblocks, xq, m0 + g, out); break;
-        case 6: rows_in_registers<6>(type, info, row, nblocks, xq, m0 + g, out); break;
-        case 7: rows_in_registers<7>(type, info, row, nblocks, xq, m0 + g, out); break;
-        default: rows_in_registers<8>(type, info, row, nblocks, xq, m0 + g, out); break;
+        case 4: block32_rows<4>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
+        case 5: block32_rows<5>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
+        case 6: block32_rows<6>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
+        case 7: block32_rows<7>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
+        default: block32_rows<8>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
 #else
-        default: rows_in_registers<4>(type, info, row, nblocks, xq, m0 + g, out); break;
+        default: block32_rows<4>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
 #endif
       }
       for (int r = 0; r < rows; ++r) y[(m0 + g + r) * ldy + n] = out[r];
     }
   }
 }
-#endif
-
-// Output rows [n0, n1) of one part for rows [m0, m0 + mc) of the quantized activations.
-void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes, const Q8Rows& xq,
-                int m0, int mc, float* y, long ldy, long n0, long n1) {
-#if defined(__AVX2__)
-  register_range(type, info, w, row_bytes, xq, m0, mc, y, ldy, n0, n1);
-#else  // portable: each block decoded once, then multiplied into every row
+#else
+// Output rows [n0, n1) of a 32-block matrix for rows [m0, m0 + mc): each block decoded once,
+// then multiplied into every row.
+void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes,
+                   const Q8Rows& xq, int m0, int mc, float* y, long ldy, long n0, long n1) {
   const long K = xq.K;
-  const long nblocks = K / info.block;
-  const long nd = K / xq.block;
+  const long nblocks = K / 32;
   const long n16 = K / 16;
   Acc acc[kRowsChunk];
-  SuperBlock sb;
   Block32 blk;
   for (long n = n0; n < n1; ++n) {
     for (int r = 0; r < mc; ++r) acc[r] = Acc{{0, 0, 0, 0, 0, 0, 0, 0}, 0};
@@ -717,27 +825,17 @@ void rows_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes
 #if defined(__SSE__)
       _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
 #endif
-      const long k0 = b * info.block;
-      if (info.k_quant) {
-        if (type == kQ4_K) decode_q4_K(src, &sb); else decode_q6_K(src, &sb);
-        for (int r = 0; r < mc; ++r) {
-          const int m = m0 + r;
-          superblock_row(sb, xq.q.data() + m * K + k0, xq.bsum.data() + m * n16 + k0 / 16,
-                         xq.d[m * nd + b], &acc[r]);
-        }
-      } else {
-        decode_block32(type, src, &blk);
-        for (int r = 0; r < mc; ++r) {
-          const int m = m0 + r;
-          block32_row(blk, info.is_signed, xq.q.data() + m * K + k0,
-                      xq.bsum.data() + m * n16 + k0 / 16, xq.d[m * nd + b], &acc[r]);
-        }
+      decode_block32(type, src, &blk);
+      for (int r = 0; r < mc; ++r) {
+        const int m = m0 + r;
+        block32_row(blk, info.is_signed, xq.q.data() + m * K + b * 32,
+                    xq.bsum.data() + m * n16 + b * 2, xq.d[m * nblocks + b], &acc[r]);
       }
     }
     for (int r = 0; r < mc; ++r) y[(m0 + r) * ldy + n] = finish(acc[r]);
   }
-#endif
 }
+#endif
 
 }  // namespace
 
@@ -754,65 +852,117 @@ int quant_rows_isa() {
 #endif
 }
 
-// Bytes a row of K values of `type` takes, or -1 for a type this kernel does not know or a K
-// that is not a whole number of its blocks.
+// Bytes a row of K values of `type` takes in the file, or -1 for a type this kernel does not
+// know or a K that is not a whole number of its blocks.
 long quant_row_bytes(int type, long K) {
   TypeInfo info;
   if (!type_info(type, &info) || K <= 0 || K % info.block) return -1;
   return K / info.block * info.bytes;
 }
 
-// y[m, col0 + n] = sum_k x[m, k] W[n, k] for m < M, n < N, W [N, K] in `type`'s blocks
-// (`w`, rows of quant_row_bytes(type, K) bytes), x [M, K] float32 row-major, y with row
-// stride ldy.  Returns 0, or -1 for a bad type or shape.
-int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w, long N,
-                      float* y, long ldy, int threads) {
+// Bytes a tile of 16 rows of K values takes for a K-quant `type` (Q4_K, Q6_K), 0 for a type
+// kept as the file lays it (the 32-blocks), -1 for an unknown type or a bad K.
+long quant_tile_bytes(int type, long K) {
   TypeInfo info;
-  if (!type_info(type, &info) || M <= 0 || K <= 0 || K % info.block || N <= 0) return -1;
-  const long row_bytes = K / info.block * info.bytes;
-  Q8Rows xq;
-  quantize_rows(x, M, K, info.block, threads, &xq);
-  constexpr long kTile = 8;  // outputs a scheduling unit
-  const long tiles = (N + kTile - 1) / kTile;
-  for (int m0 = 0; m0 < M; m0 += kRowsChunk) {
-    const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) \
-    if (static_cast<long>(mc) * N * K >= kParallelWork)
-    for (long t = 0; t < tiles; ++t) {
-      const long n0 = t * kTile;
-      const long n1 = n0 + kTile < N ? n0 + kTile : N;
-      rows_range(type, info, w, row_bytes, xq, m0, mc, y, ldy, n0, n1);
+  if (!type_info(type, &info) || K <= 0 || K % info.block) return -1;
+  return info.k_quant ? K / 256 * tile_layout(type).bytes : 0;
+}
+
+// A K-quant matrix's N rows as the file lays them (`w`, rows of quant_row_bytes) -> its
+// ceil(N / 16) tiles into `out` (quant_tile_bytes each; rows past N zero).  0, or -1.
+int quant_repack(int type, const uint8_t* w, long N, long K, uint8_t* out, int threads) {
+  const long tile_bytes = quant_tile_bytes(type, K);
+  if (tile_bytes <= 0 || N <= 0) return -1;
+  const long row_bytes = quant_row_bytes(type, K);
+  const long nblocks = K / 256;
+  const long tiles = (N + kTileRows - 1) / kTileRows;
+  const TileLayout& L = tile_layout(type);
+  TypeInfo info;
+  type_info(type, &info);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (long tt = 0; tt < tiles; ++tt) {
+    uint8_t* tile = out + tt * tile_bytes;
+    std::memset(tile, 0, tile_bytes);
+    RowSuper s;
+    for (int r = 0; r < kTileRows && tt * kTileRows + r < N; ++r) {
+      const uint8_t* row = w + (tt * kTileRows + r) * row_bytes;
+      for (long b = 0; b < nblocks; ++b) {
+        unpack_file_block(type, row + b * info.bytes, &s);
+        pack_tile_row(type, s, r, tile + b * L.bytes);
+      }
     }
   }
   return 0;
 }
 
-// out[r, :] = the float32 values of rows ids[r] of W (an embedding lookup), R rows.
+// y[m, col0 + n] = sum_k x[m, k] W[n, k] for m < M, n < N, x [M, K] float32 row-major, y with
+// row stride ldy; W [N, K] in `type`: a K-quant's tiles (quant_repack), a 32-block type's rows
+// as the file lays them.  Returns 0, or -1 for a bad type or shape.
+int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w, long N,
+                      float* y, long ldy, int threads) {
+  TypeInfo info;
+  if (!type_info(type, &info) || M <= 0 || K <= 0 || K % info.block || N <= 0) return -1;
+  Q8Rows xq;
+  quantize_rows(x, M, K, info.block, threads, &xq);
+  if (info.k_quant) {
+    const long tile_bytes = K / 256 * tile_layout(type).bytes;
+    const long tiles = (N + kTileRows - 1) / kTileRows;
+    for (int m0 = 0; m0 < M; m0 += kRowsChunk) {
+      const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (static_cast<long>(mc) * N * K >= kParallelWork)
+      for (long t = 0; t < tiles; ++t) tile_range(type, w, tile_bytes, xq, m0, mc, y, ldy, t, t + 1, N);
+    }
+    return 0;
+  }
+  const long row_bytes = K / info.block * info.bytes;
+  constexpr long kTile = 8;  // outputs a scheduling unit
+  const long units = (N + kTile - 1) / kTile;
+  for (int m0 = 0; m0 < M; m0 += kRowsChunk) {
+    const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (static_cast<long>(mc) * N * K >= kParallelWork)
+    for (long t = 0; t < units; ++t) {
+      const long n0 = t * kTile;
+      const long n1 = n0 + kTile < N ? n0 + kTile : N;
+      block32_range(type, info, w, row_bytes, xq, m0, mc, y, ldy, n0, n1);
+    }
+  }
+  return 0;
+}
+
+// out[r, :] = the float32 values of rows ids[r] of W (an embedding lookup), R rows; W as
+// quant_rows_linear takes it (a K-quant's tiles).
 int quant_dequantize_rows(int type, const uint8_t* w, long K, const long* ids, long R,
                           float* out) {
   TypeInfo info;
   if (!type_info(type, &info) || K <= 0 || K % info.block) return -1;
   const long row_bytes = K / info.block * info.bytes;
   for (long r = 0; r < R; ++r) {
-    const uint8_t* row = w + ids[r] * row_bytes;
     float* o = out + r * K;
+    if (info.k_quant) {  // as ggml dequantizes: Q4_K (d s) c - dmin m, Q6_K (d s) (c - 32)
+      const TileLayout& L = tile_layout(type);
+      const uint8_t* tile = w + ids[r] / kTileRows * (K / 256 * L.bytes);
+      RowSuper s;
+      for (long b = 0; b < K / 256; ++b) {
+        unpack_tile_row(type, tile + b * L.bytes, static_cast<int>(ids[r] % kTileRows), &s);
+        const float d = fp16_to_f32(s.d), dmin = fp16_to_f32(s.dmin);
+        for (int e = 0; e < 256; ++e) {
+          o[b * 256 + e] = type == kQ6_K
+              ? d * static_cast<float>(s.s[e / 16]) * static_cast<float>(s.c[e] - 32)
+              : d * static_cast<float>(s.s[e / 32]) * static_cast<float>(s.c[e]) -
+                    dmin * static_cast<float>(s.m[e / 32]);
+        }
+      }
+      continue;
+    }
+    const uint8_t* row = w + ids[r] * row_bytes;
     for (long b = 0; b < K / info.block; ++b) {
-      const uint8_t* src = row + b * info.bytes;
-      if (info.k_quant) {
-        SuperBlock sb;
-        if (type == kQ4_K) decode_q4_K(src, &sb); else decode_q6_K(src, &sb);
-        for (int e = 0; e < 256; ++e) {  // as ggml dequantizes: Q4_K (d s) c - dmin m,
-          const int j = e / 16;             // Q6_K (d s) (c - 32)
-          o[b * 256 + e] = type == kQ6_K ? sb.d * sb.s[j] * (sb.c[e] - 32)
-                                         : sb.d * sb.s[j] * sb.c[e] - sb.dmin * sb.o[j];
-        }
-      } else {
-        Block32 blk;
-        decode_block32(type, src, &blk);
-        for (int e = 0; e < 32; ++e) {
-          const float c = info.is_signed ? static_cast<int8_t>(blk.c[e]) : blk.c[e];
-          o[b * 32 + e] = blk.d * c + blk.a;
-        }
+      Block32 blk;
+      decode_block32(type, row + b * info.bytes, &blk);
+      for (int e = 0; e < 32; ++e) {
+        const float c = info.is_signed ? static_cast<int8_t>(blk.c[e]) : blk.c[e];
+        o[b * 32 + e] = blk.d * c + blk.a;
       }
     }
   }
