@@ -478,13 +478,17 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
         const __m512i sa = _mm512_and_si512(sp, low16), sb = _mm512_srli_epi32(sp, 16);
         for (int r = 0; r < MC; ++r) {
           const int8_t* xr = x[r] + b * 256 + 64 * j;
-          __m512i ta = _mm512_setzero_si512(), tb = _mm512_setzero_si512();
-          for (int st = 0; st < 8; ++st) {
+          // four chains of four dots (each dot waits on the one before it in its chain)
+          __m512i ta = _mm512_setzero_si512(), tb = ta, tc = ta, td = ta;
+          for (int st = 0; st < 8; st += 2) {
             ta = _mm512_dpbusd_epi32(ta, lo[st], _mm512_set1_epi32(load_i32(xr + 4 * st)));
             tb = _mm512_dpbusd_epi32(tb, hi[st], _mm512_set1_epi32(load_i32(xr + 32 + 4 * st)));
+            tc = _mm512_dpbusd_epi32(tc, lo[st + 1], _mm512_set1_epi32(load_i32(xr + 4 * st + 4)));
+            td = _mm512_dpbusd_epi32(td, hi[st + 1], _mm512_set1_epi32(load_i32(xr + 36 + 4 * st)));
           }
-          sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(_mm512_mullo_epi32(ta, sa),
-                                                             _mm512_mullo_epi32(tb, sb)));
+          sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(
+              _mm512_mullo_epi32(_mm512_add_epi32(ta, tc), sa),
+              _mm512_mullo_epi32(_mm512_add_epi32(tb, td), sb)));
         }
       } else {
         const __m512i p0 = _mm512_cvtepi8_epi16(
