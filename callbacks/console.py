@@ -1,6 +1,6 @@
 """Callback ``console``: a readable report printed at the end of the run.
 
-The per-category table of ``specflow.results.format_table`` (tokens/s, plain decoding's
+The per-category table of ``specflow.results.run_folder.format_table`` (tokens/s, plain decoding's
 tokens/s, speedup, tau, acceptance, fidelity), then acceptance per verification level, the
 rounds of each part of a drafter of parts and the rounds that verified a tree, time per
 stage and task scores (method vs plain decoding), all with the slash-separated metric names
@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from specflow.metrics import flatten_by_category, flatten_summary, stage_names
-from specflow.records import RequestRecord, RunMeta, RunSummary, describe_parts
-from specflow.results import format_table
+from specflow.results.metrics import flatten_by_category, flatten_summary, stage_names
+from specflow.results.records import RequestRecord, RunMeta, RunSummary, describe_parts
+from specflow.results.run_folder import format_table
 from specflow.workload import Request
 
 

@@ -1,7 +1,7 @@
 """Callback ``csv``: the run's metrics as spreadsheets in the run folder.
 
 - ``requests.csv``: one row per request of this run (``request_id``, ``category``, then the
-  slash-named scalars of ``specflow.metrics.flatten_record``).
+  slash-named scalars of ``specflow.results.metrics.flatten_record``).
 - ``summary.csv``: one row per category and a last ``ALL`` row (scalars of the summary).
 
 Written at the end of the run (also after a crash: the runner always calls ``on_run_end``);
@@ -15,13 +15,13 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from specflow.metrics import (
+from specflow.results.metrics import (
     flatten_by_category,
     flatten_record,
     flatten_summary,
     ordered_columns,
 )
-from specflow.records import RequestRecord, RunMeta, RunSummary
+from specflow.results.records import RequestRecord, RunMeta, RunSummary
 from specflow.workload import Request
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specflow.records import RunMeta
+from specflow.results.records import RunMeta
 
 
 def run_dir(meta: RunMeta, explicit: str | Path | None = None) -> Path | None:

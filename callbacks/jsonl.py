@@ -2,7 +2,7 @@
 
 Lines (each has ``"event"``): ``run_start`` (method, models, number of requests), one
 ``request`` per finished request (``request_id``, ``category`` and the scalars of
-``specflow.metrics.flatten_record``), one ``category`` per category and a final
+``specflow.results.metrics.flatten_record``), one ``category`` per category and a final
 ``summary`` (scalars of the whole run, and ``complete``).  Lines are appended and flushed
 as they come when the run folder is known at the start (``meta["output_dir"]``, the
 ``dir`` argument or Hydra's run folder); otherwise they are kept until ``on_run_end``.
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from callbacks.folders import run_dir
-from specflow.metrics import flatten_by_category, flatten_record, flatten_summary
-from specflow.records import RequestRecord, RunMeta, RunSummary
+from specflow.results.metrics import flatten_by_category, flatten_record, flatten_summary
+from specflow.results.records import RequestRecord, RunMeta, RunSummary
 from specflow.workload import Request
 
 

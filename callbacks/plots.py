@@ -18,9 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specflow.metrics import flatten_by_category, flatten_summary, stage_names
-from specflow.records import RequestRecord, RunMeta, RunSummary
-from specflow.results import REQUESTS_FILE, read_records
+from specflow.results.metrics import flatten_by_category, flatten_summary, stage_names
+from specflow.results.records import RequestRecord, RunMeta, RunSummary
+from specflow.results.run_folder import REQUESTS_FILE, read_records
 from specflow.workload import Request
 
 PLOT_FILES = ("speedup_by_category.png", "tau_hist.png", "time_per_stage.png", "arm_choices.png")

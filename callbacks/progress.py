@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specflow.records import RequestRecord, RunMeta, RunSummary
+from specflow.results.records import RequestRecord, RunMeta, RunSummary
 from specflow.workload import Request
 
 

@@ -37,8 +37,8 @@ from omegaconf import DictConfig
 
 from callbacks.csv_logger import write_csv
 from callbacks.plots import pyplot
-from specflow.metrics import KEY_METRICS, flatten_summary
-from specflow.records import RunSummary
+from specflow.results.metrics import KEY_METRICS, flatten_summary
+from specflow.results.records import RunSummary
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def objective(
     """The value a sweeper optimises: ``metric`` of the run, gated by an accuracy floor.
 
     With ``accuracy_floor`` set, a run whose ``quality/accuracy_ratio`` (task score over plain
-    decoding's, see ``specflow.metrics``) is below the floor scores 0.0; a run without task
+    decoding's, see ``specflow.results.metrics``) is below the floor scores 0.0; a run without task
     scores is not gated.  ``None`` when the metric is missing (e.g. no baseline).
     """
     flat = flatten_summary(summary)

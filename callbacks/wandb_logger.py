@@ -3,7 +3,7 @@
 - at the start: ``wandb.init`` with the resolved run config; ``dir`` is the run folder, so
   an offline run lands in ``<run folder>/wandb/offline-run-*`` (``wandb sync`` uploads it
   later).  ``mode: online`` (and ``project`` / ``entity``) logs live instead.
-- per request: its slash-named scalars (``specflow.metrics.flatten_record``), step = the
+- per request: its slash-named scalars (``specflow.results.metrics.flatten_record``), step = the
   request's index in this run.
 - at the end: the run's scalars into the wandb summary (same names: ``throughput/speedup``,
   ``accept/tau``, ``accept/rate/<level>``, ``time/<stage>_s``, ``task/...``,
@@ -21,13 +21,13 @@ from typing import Any
 
 from callbacks.folders import run_dir
 from callbacks.plots import PLOT_FILES, make_plots, run_records
-from specflow.metrics import (
+from specflow.results.metrics import (
     flatten_by_category,
     flatten_record,
     flatten_summary,
     ordered_columns,
 )
-from specflow.records import RequestRecord, RunMeta, RunSummary
+from specflow.results.records import RequestRecord, RunMeta, RunSummary
 from specflow.workload import Request
 
 

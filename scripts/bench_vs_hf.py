@@ -65,14 +65,14 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from run import with_default_experiment  # noqa: E402
 from specflow.app import PreparedRun, model_configs, prepare_run  # noqa: E402
-from specflow.baselines import machine_description  # noqa: E402
 from specflow.config import register_configs  # noqa: E402
 from specflow.errors import ConfigError, SpecflowError  # noqa: E402
 from specflow.llamacpp import Decoded  # noqa: E402
-from specflow.measure import generation_metrics, task_scores  # noqa: E402
-from specflow.paired import paired_report  # noqa: E402
-from specflow.records import RequestRecord, TurnRecord  # noqa: E402
-from specflow.results import REQUESTS_FILE, RunFolder, read_records, results_fingerprint  # noqa: E402
+from specflow.results.baselines import machine_description  # noqa: E402
+from specflow.results.measure import generation_metrics, task_scores  # noqa: E402
+from specflow.results.paired import paired_report  # noqa: E402
+from specflow.results.records import RequestRecord, TurnRecord  # noqa: E402
+from specflow.results.run_folder import REQUESTS_FILE, RunFolder, read_records, results_fingerprint  # noqa: E402
 from specflow.runner import WARM_UP, build_prompt  # noqa: E402
 from specflow.scheduler import Generation  # noqa: E402
 from specflow.state import RoundStats, StageTimes  # noqa: E402
@@ -342,7 +342,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def bench_report(records: dict[str, list[RequestRecord]], methods: list[Method]) -> dict:
-    """``specflow.paired.paired_report`` (against the first method) with, per method, TTFT
+    """``specflow.results.paired.paired_report`` (against the first method) with, per method, TTFT
     and TPOT, × plain TPOT, verify rows and plain steps per round, and identical outputs
     against the method's own reference (``llamacpp_plain`` for llama.cpp's)."""
     reference = methods[0].name

@@ -15,8 +15,8 @@ from specflow.cache_root import configured_cache_root
 from specflow.cpu.detect import check_cpu_weights, probe_cpu
 from specflow.errors import ConfigError, SpecflowError
 from specflow.graph import build_pipeline, instantiate_checked
-from specflow.records import RunMeta, RunSummary
-from specflow.results import RunFolder, results_fingerprint
+from specflow.results.records import RunMeta, RunSummary
+from specflow.results.run_folder import RunFolder, results_fingerprint
 from specflow.runner import Runner
 from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings

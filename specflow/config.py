@@ -71,7 +71,7 @@ class ModelConfig:
 class ObjectiveConfig:
     """What ``run.py`` returns to a Hydra sweeper (``callbacks.sweep.objective``)."""
 
-    metric: str = "throughput/speedup"  # a slash-named metric of specflow.metrics
+    metric: str = "throughput/speedup"  # a slash-named metric of specflow.results.metrics
     accuracy_floor: float | None = None  # quality/accuracy_ratio below this scores 0.0
 
 

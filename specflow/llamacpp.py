@@ -179,7 +179,7 @@ class LlamaCppDecoder:
                                                 num_pred_tokens=lookup_k)
         self.draft_k = draft_k
         if repack is None:
-            from specflow.baselines import machine_description
+            from specflow.results.baselines import machine_description
 
             repack = not machine_description()["cpu"].get("amx_tile", False)
         self.target = _Context(llama, gguf, n_ctx, threads, 512, repack)

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from specflow.acceptance import LosslessAcceptor
-from specflow.baselines import BaselineCache, CachedBaseline, machine_description
 from specflow.cache_root import cache_root
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, SpecflowError
-from specflow.measure import baseline_metrics, generation_metrics, percentile, task_scores
-from specflow.records import (
+from specflow.results.baselines import BaselineCache, CachedBaseline, machine_description
+from specflow.results.measure import baseline_metrics, generation_metrics, percentile, task_scores
+from specflow.results.records import (
     BaselinePass,
     BatchReport,
     DecodePass,
@@ -40,7 +40,7 @@ from specflow.records import (
     RunSummary,
     TurnRecord,
 )
-from specflow.results import RunFolder, summarize
+from specflow.results.run_folder import RunFolder, summarize
 from specflow.sampling import SamplingParams
 from specflow.scheduler import BatchResult, Generation, Scheduler, SeqRequest
 from specflow.settings import RunSettings
@@ -70,7 +70,7 @@ class RunCallback(Protocol):
     """What the runner calls on every callback (see ``callbacks/``; a hook a callback does
     not need is a no-op there).
 
-    Records, summaries and meta are the typed results of ``specflow.records``.  ``meta``
+    Records, summaries and meta are the typed results of ``specflow.results.records``.  ``meta``
     carries ``output_dir`` (the run folder) so loggers can write from the start.
     ``on_run_end`` is always called, also when the run crashes (``summary.complete`` is
     then false), and one callback failing there does not stop the others.  ``on_round_end``

@@ -1,4 +1,4 @@
-"""Run callbacks, the sweep summary and ``specflow.compare`` on synthetic records (fast)."""
+"""Run callbacks, the sweep summary and ``specflow.results.compare`` on synthetic records (fast)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ from callbacks.sweep import (
     point_labels,
 )
 from callbacks.sweep import main as sweep_main
-from specflow import compare
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.metrics import flatten_record, flatten_summary
 from specflow.protocols import DraftPart
-from specflow.records import (
+from specflow.results import compare
+from specflow.results.metrics import flatten_record, flatten_summary
+from specflow.results.records import (
     BaselineMetrics,
     PoolMetrics,
     RequestMetrics,
@@ -48,7 +48,7 @@ from specflow.records import (
     RunSummary,
     TurnRecord,
 )
-from specflow.results import RunFolder, read_records, summarize, wilson_interval
+from specflow.results.run_folder import RunFolder, read_records, summarize, wilson_interval
 from specflow.runner import Runner
 from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings
@@ -632,10 +632,11 @@ def test_an_object_that_is_not_a_callback_is_refused(tiny_target):
 
 
 def test_paired_report_against_the_reference():
-    """specflow.paired: ratios of the reference's seconds, fidelity by tokens, levels summed."""
+    """specflow.results.paired: ratios of the reference's seconds, fidelity by tokens, levels
+    summed."""
     from dataclasses import replace as dc_replace
 
-    from specflow.paired import paired_markdown, paired_report
+    from specflow.results.paired import paired_markdown, paired_report
 
     plain = [fake_record(0, "math_reasoning"), fake_record(1, "qa")]  # 0.5 s, 0.6 s
     fast = dc_replace(plain[0], metrics=dc_replace(plain[0].metrics, total_s=0.25))
@@ -677,8 +678,8 @@ def test_paired_report_against_the_reference():
     assert flat["part/first/rate"] == 0.75 and flat["part/then/rate"] == 0.25
     # Rounds per pool arm: a request's arm_counts stop at the highest arm it chose, so a
     # shorter list adds as if padded with zeros, whatever the order.
-    from specflow.paired import add_padded
-    from specflow.records import PoolMetrics
+    from specflow.results.paired import add_padded
+    from specflow.results.records import PoolMetrics
 
     def pooled(counts: list[int]):
         rec = fake_record(0, "math_reasoning")

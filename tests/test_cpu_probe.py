@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from specflow.app import check_models_fit_cpu, model_configs
-from specflow.baselines import machine_description
 from specflow.cpu import detect as cpu
 from specflow.cpu.detect import AVX2_ONLY_ENV, CpuCapabilities, check_cpu_weights, resolve_dtype
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
 from specflow.models.native import NativeLM, packing_available
 from specflow.models.tiny import tiny_hf_model, tiny_model_info
+from specflow.results.baselines import machine_description
 from specflow.scheduler import generate
 from stages.acceptors.standard import StandardAcceptor
 from stages.drafters.model import ModelDrafter

@@ -195,7 +195,7 @@ def test_circle_finder_finds_the_circles_it_should(tmp_path: Path):
 
 def test_core_files_found():
     files = {p.relative_to(CORE).as_posix() for p in core_files()}
-    assert {"__init__.py", "engine.py", "metrics.py", "compare.py"} <= files
+    assert {"__init__.py", "engine.py", "results/metrics.py", "results/compare.py"} <= files
 
 
 @pytest.mark.parametrize("path", core_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -223,8 +223,8 @@ def test_checker_catches_forbidden_imports(source: str):
 @pytest.mark.parametrize(
     "source",
     [
-        "import specflow.metrics",
-        "from specflow import metrics as m",
+        "import specflow.results.metrics",
+        "from specflow.results import metrics as m",
         "from . import results",
         "from .callbacks import x",  # relative: inside specflow, not the top-level package
         "import stages_extra",
@@ -264,6 +264,18 @@ def test_stage_protocols_reach_no_model():
     bad = sorted(d for d in _deps(graph, "specflow.protocols")
                  if d.startswith("specflow.models") or d == "specflow.cpu.row_padding")
     assert bad == [], f"specflow.protocols reaches {bad}"
+
+
+def test_results_sit_below_the_runner():
+    """``specflow/results/`` (records, the run folder, metrics, comparisons) is what the
+    runner and the app write through: nothing in it imports the runner, the app or the
+    config composition."""
+    graph = import_graph()
+    above = {"specflow.runner", "specflow.app", "specflow.config"}
+    bad = sorted(f"{mod} -> {dep}" for mod, deps in graph.items() for dep in deps
+                 if mod.startswith("specflow.results") and dep in above)
+    assert bad == [], bad
+    assert any(mod.startswith("specflow.results.") for mod in graph)
 
 
 def test_cpu_package_reaches_models_only_to_measure_a_native_model():

@@ -11,9 +11,9 @@ import torch
 
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
-from specflow.measure import generation_metrics
-from specflow.oracle import load_runs, oracle_report
 from specflow.protocols import DraftPart
+from specflow.results.measure import generation_metrics
+from specflow.results.oracle import load_runs, oracle_report
 from specflow.scheduler import generate
 from specflow.state import Acceptance, DecodeState, Draft
 from stages.acceptors.standard import StandardAcceptor

@@ -19,8 +19,8 @@ from specflow.kv.kernels import AttnBatch, sdpa_paged, select_backend
 from specflow.kv.paged import BlockAllocator, CacheFullError, PagedKVCache, paged_pool
 from specflow.kv.session import ModelSession, forward_logits
 from specflow.kv.stores import KVLayout
-from specflow.records import RunMeta
-from specflow.results import RunFolder
+from specflow.results.records import RunMeta
+from specflow.results.run_folder import RunFolder
 from specflow.runner import Runner
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Scheduler, SeqRequest, generate

@@ -1,4 +1,4 @@
-"""The result schema (``specflow.records``): the JSON it writes has today's keys, in today's
+"""The result schema (``specflow.results.records``): the JSON it writes has today's keys, in today's
 order; the run folders stored in the repository read back byte for byte; files written
 before some keys existed still read (fast, tiny model)."""
 
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from specflow.engine import SpeculativePipeline
-from specflow.measure import generation_metrics
-from specflow.metrics import SCALARS
-from specflow.records import RequestRecord, RunMeta, RunSummary
-from specflow.results import CorruptRecordsError, RunFolder, read_records
+from specflow.results.measure import generation_metrics
+from specflow.results.metrics import SCALARS
+from specflow.results.records import RequestRecord, RunMeta, RunSummary
+from specflow.results.run_folder import CorruptRecordsError, RunFolder, read_records
 from specflow.runner import Runner
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Generation
@@ -146,7 +146,7 @@ def test_written_results_read_back_into_equal_objects(written):
 
 
 def test_every_metric_name_comes_from_a_written_key(written):
-    """``specflow.metrics.SCALARS`` is keyed by the JSON keys: none may drift from them."""
+    """``specflow.results.metrics.SCALARS`` is keyed by the JSON keys: none may drift from them."""
     (record, *_) = _lines(written / "requests.jsonl")
     summary = json.loads((written / "summary.json").read_text())
     assert set(SCALARS) <= set(record["metrics"]) | set(summary)

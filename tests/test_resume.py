@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from specflow import results
 from specflow.errors import ConfigError
-from specflow.records import RequestRecord, RunMeta
-from specflow.results import (
+from specflow.results import run_folder
+from specflow.results.records import RequestRecord, RunMeta
+from specflow.results.run_folder import (
     CorruptRecordsError,
     RunFolder,
     read_records,
@@ -43,7 +43,7 @@ def test_resume_repairs_a_torn_last_line(tmp_path: Path, caplog: pytest.LogCaptu
     path = tmp_path / "requests.jsonl"
     torn = b'{"request_id": "q2", "category": "qa", "te'
     whole = _write_lines(path, [_rec(0), _rec(1)], torn)
-    with caplog.at_level(logging.WARNING, logger="specflow.results"):
+    with caplog.at_level(logging.WARNING, logger="specflow.results.run_folder"):
         folder = RunFolder(tmp_path, resume=True)
     assert folder.done_ids == {"q0", "q1"}
     assert path.read_bytes() == whole[: -len(torn)]  # truncated to the last newline
@@ -212,7 +212,7 @@ def test_write_summary_fsyncs_file_and_directory(
         synced.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self") else "?")
         real_fsync(fd)
 
-    monkeypatch.setattr(results.os, "fsync", spy)
+    monkeypatch.setattr(run_folder.os, "fsync", spy)
     summary = summarize([_rec(0), _rec(1), _rec(2)], RunMeta(method="pld"), complete=True)
     target = folder.write_summary(summary)
     assert json.loads(target.read_text()) == summary.to_json()

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError, PromptTooLongError
 from specflow.graph import build_pipeline
-from specflow.records import RunMeta
-from specflow.results import RunFolder, format_table, summarize
+from specflow.results.records import RunMeta
+from specflow.results.run_folder import RunFolder, format_table, summarize
 from specflow.runner import Runner
 from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specflow.records import PairedCounts, RunMeta
-from specflow.results import paired_counts, summarize, wilson_interval
+from specflow.results.records import PairedCounts, RunMeta
+from specflow.results.run_folder import paired_counts, summarize, wilson_interval
 from tests.test_callbacks import fake_record
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from specflow.engine import SpeculativePipeline
-from specflow.measure import decode_times
-from specflow.records import RunMeta
-from specflow.results import RunFolder, format_table
+from specflow.results.measure import decode_times
+from specflow.results.records import RunMeta
+from specflow.results.run_folder import RunFolder, format_table
 from specflow.runner import Runner
 from specflow.sampling import SamplingParams
 from specflow.scheduler import Generation, generate

@@ -2,7 +2,7 @@
 
 The runner decodes a request turn by turn (``Generation`` per turn) with the method and,
 when asked, with plain decoding; these functions turn those generations into the typed
-record fields of ``specflow.records``.
+record fields of ``specflow.results.records``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from specflow.records import BaselineMetrics, PoolMetrics, RequestMetrics, sum_parts
+from specflow.results.records import BaselineMetrics, PoolMetrics, RequestMetrics, sum_parts
 
 if TYPE_CHECKING:
     from specflow.scheduler import Generation

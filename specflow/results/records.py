@@ -1,9 +1,9 @@
 """The schema of a run's results: the per-request record and the run's summary.
 
 Every result the runner writes is one of these dataclasses, built once where the data is
-produced and written with its ``to_json()``; readers (resume, ``specflow.compare``, the
+produced and written with its ``to_json()``; readers (resume, ``specflow.results.compare``, the
 sweep summary, the plots) get them back with ``from_json()``.  Nothing else knows the JSON
-keys, except ``specflow.metrics``, whose slash-separated metric names are keyed by them.
+keys, except ``specflow.results.metrics``, whose slash-separated metric names are keyed by them.
 
 ``requests.jsonl``, one ``RequestRecord`` per line::
 
@@ -303,7 +303,7 @@ class RequestRecord:
 @dataclass
 class PairedCounts:
     """Pass/fail of the method against plain decoding on the same requests, and the exact
-    McNemar p-value of the discordant pairs (``specflow.results.paired_counts``)."""
+    McNemar p-value of the discordant pairs (``specflow.results.run_folder.paired_counts``)."""
 
     both: int
     method_only: int
@@ -319,7 +319,7 @@ class PairedCounts:
 @dataclass
 class Aggregate:
     """Metrics over a set of request records: the whole run, or one category
-    (``specflow.results.aggregate``; the module doc there says how each is pooled).
+    (``specflow.results.run_folder.aggregate``; the module doc there says how each is pooled).
 
     ``acceptance_by_level`` / ``accepted_by_level``: rate and accepted tokens per level;
     ``tree_rounds``: rounds that verified a token tree (of ``rounds``); ``parts``: per named

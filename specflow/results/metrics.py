@@ -1,7 +1,7 @@
 """The metric names of the core: slash-separated names from records and summaries.
 
 ``flatten_record(record)``, ``flatten_summary(summary)`` and ``flatten_by_category(summary)``
-turn the typed results of ``specflow.records`` into flat ``{name: float}``; the names come
+turn the typed results of ``specflow.results.records`` into flat ``{name: float}``; the names come
 from the JSON keys of a record's ``metrics`` (plus its ``task`` scores) or of a summary
 aggregate (overall or one ``by_category`` entry), through ``flatten``:
 
@@ -35,9 +35,9 @@ quality/accuracy_ratio    mean of the ``task_ratio/*`` (absent without task scor
 
 ``None`` values are left out; booleans become 0.0 / 1.0; counts stay integers.  The same
 names are used in the JSONL and CSV logs, wandb, the plots, the sweep summary and
-``specflow.compare``; ``KEY_METRICS`` / ``ordered_columns`` fix the column order of every
+``specflow.results.compare``; ``KEY_METRICS`` / ``ordered_columns`` fix the column order of every
 table and CSV file.  This module is core (it only reads the record and summary schema of
-``specflow.records``), so the callbacks and ``specflow.compare`` both import it.
+``specflow.results.records``), so the callbacks and ``specflow.results.compare`` both import it.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from specflow.records import Aggregate, RequestRecord, RunSummary
+from specflow.results.records import Aggregate, RequestRecord, RunSummary
 
 SCALARS: dict[str, str] = {
     "tokens_per_s": "throughput/tokens_per_s",

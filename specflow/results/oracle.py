@@ -1,6 +1,6 @@
 """Offline oracle for MetaSD's regret: the best single drafter per request, in hindsight.
 
-    python -m specflow.oracle RUN_DIR ... [--metasd RUN_DIR]
+    python -m specflow.results.oracle RUN_DIR ... [--metasd RUN_DIR]
 
 Give the run folders of single-drafter runs (e.g. ``drafter=pool selector=fixed
 selector.arm=0``, ``arm=1``, ... or ``+experiment=sps``, ``pld``...) over the same requests.
@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from specflow.results import REQUESTS_FILE, read_json_lines
+from specflow.results.run_folder import REQUESTS_FILE, read_json_lines
 
 
 def _tokens_per_s(records: list[dict[str, Any]]) -> float:

@@ -1,10 +1,10 @@
 """Results nothing can lose: a run folder written as results are produced.
 
-- ``requests.jsonl``: one JSON line per finished request (a ``specflow.records.RequestRecord``),
-  appended, flushed and fsync'ed before the next request starts; a rerun with
-  ``resume=true`` reads them back and skips their ids.
-- ``summary.json``: the aggregate (a ``specflow.records.RunSummary``, written atomically at
-  the end, and as a partial summary with ``"complete": false`` when the run is
+- ``requests.jsonl``: one JSON line per finished request (a
+  ``specflow.results.records.RequestRecord``), appended, flushed and fsync'ed before the
+  next request starts; a rerun with ``resume=true`` reads them back and skips their ids.
+- ``summary.json``: the aggregate (a ``specflow.results.records.RunSummary``, written
+  atomically at the end, and as a partial summary with ``"complete": false`` when the run is
   interrupted); the temporary file and the folder are fsync'ed, so a crash leaves the old
   summary or the new one, never a torn one.
 - ``fingerprint.json``: the settings that determine results (``results_fingerprint``); a
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from specflow.errors import ConfigError, SpecflowError
-from specflow.records import (
+from specflow.results.records import (
     Aggregate,
     BatchReport,
     PairedCounts,

@@ -23,7 +23,7 @@ from itertools import zip_longest
 from typing import Any
 
 from specflow.cpu.detect import probe_cpu
-from specflow.records import RequestRecord, describe_parts, sum_parts
+from specflow.results.records import RequestRecord, describe_parts, sum_parts
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -1,12 +1,14 @@
-"""Compare finished runs side by side: ``python -m specflow.compare RUN_DIR ... [--plot F]``.
+"""Compare finished runs side by side.
+
+    python -m specflow.results.compare RUN_DIR ... [--plot F]
 
 Reads each run folder's ``summary.json`` (or, when a run died before writing it, its
 ``requests.jsonl``) and prints one column per run: method, target model, requests,
 tokens/s, plain decoding's tokens/s, speedup, tau, acceptance (overall and per level),
 fidelity, task scores, then speedup / tau / acceptance per category.  ``--plot out.png``
 draws the speedup per category of every run as grouped bars; ``--csv out.csv`` writes the
-table.  Metric names are the slash-separated ones of ``specflow.metrics``.  A core module:
-it imports nothing from ``callbacks/`` (its one figure uses matplotlib directly).
+table.  Metric names are the slash-separated ones of ``specflow.results.metrics``.  A core
+module: it imports nothing from ``callbacks/`` (its one figure uses matplotlib directly).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specflow import metrics as m
-from specflow.records import RunMeta, RunSummary
-from specflow.results import (
+from specflow.results import metrics as m
+from specflow.results.records import RunMeta, RunSummary
+from specflow.results.run_folder import (
     REQUESTS_FILE,
     SUMMARY_FILE,
     aggregate,
@@ -146,7 +148,7 @@ def plot_compare(labels: list[str], summaries: list[RunSummary], path: Path) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m specflow.compare", description="Compare run folders side by side."
+        prog="python -m specflow.results.compare", description="Compare run folders side by side."
     )
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (with summary.json)")
     parser.add_argument("--plot", type=Path, help="write speedup-per-category bars here (PNG)")
