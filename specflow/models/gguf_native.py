@@ -24,12 +24,8 @@ the model computes what the Hugging Face model of the same weights computes.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import logging
-import mmap
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +36,7 @@ from specflow.errors import ConfigError
 from specflow.kv.base import ModelInfo
 from specflow.models.native import NativeLM, _Layer, _rope_params, supports
 from specflow.quant.matrix import QuantMatrix, QuantPart, check_part, part_from_numpy
+from specflow.quant.memory import release_pages
 
 log = logging.getLogger("specflow")
 
@@ -84,30 +81,6 @@ class GGUFTensors:
         if t is None:
             raise ConfigError(f"{self.path}: the GGUF file has no tensor {name!r}")
         return t
-
-
-def release_pages(data: np.ndarray) -> None:
-    """Drop the whole pages of a memory-mapped array from this process (``MADV_DONTNEED``):
-    a K-quant's file bytes, once repacked, would otherwise stay counted in its resident
-    memory.  The file stays mapped (a later read maps the pages again); where ``madvise`` is
-    missing (not Linux) nothing happens."""
-    libc = _libc()
-    if libc is None or data.nbytes == 0:
-        return
-    page = mmap.PAGESIZE
-    start = -(-data.ctypes.data // page) * page
-    end = (data.ctypes.data + data.nbytes) // page * page
-    if end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    if platform.system() != "Linux":
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
 
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
