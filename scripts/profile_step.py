@@ -2,12 +2,16 @@
 
     python scripts/profile_step.py --model qwen2.5-coder-1.5b --context 300 --tokens 1,2,3,5,9
     python scripts/profile_step.py --weights gguf --tokens 1,2,3,5,8,12 --no-profile
+    python scripts/profile_step.py --weights gguf --tokens 1,2,3,5,8,12,128 --llamacpp
 
 For each T: a session holding ``--context`` positions runs a forward of T more positions
 (the verify of a draft of T-1 tokens; T = 1 is a plain decoding step), then rolls back.
 Prints the median wall time per T, its ratio to T = 1, and a torch.profiler breakdown
 (self CPU time per op, summed over the forward) so matmuls, attention, the LM head and
-everything else are separated.  Run it with nothing else on the machine.
+everything else are separated.  ``--llamacpp`` prices llama.cpp's passes on the same GGUF
+file instead (``llama_decode`` of T rows with logits for each, after the same context;
+llama-cpp-python installed): the row prices of both engines, one after the other.  Run it
+with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -47,8 +51,13 @@ def main() -> None:
                     help="gguf: the GGUF file's quantized blocks (model.weights=gguf)")
     ap.add_argument("--int8", action="store_true",
                     help="every pass on int8 copies of the weights (model.quantize=int8)")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="price llama.cpp's passes on the model's GGUF file instead")
     args = ap.parse_args()
     counts = [int(t) for t in args.tokens.split(",")]
+    if args.llamacpp:
+        llamacpp_prices(args.model, args.context, counts, args.repeats)
+        return
 
     packed = {"auto": None, "true": True, "false": False}[args.packed_weights]
     loaded = load_model(args.model, dtype=args.dtype, backend="auto", trust_remote_code=False,
@@ -102,6 +111,32 @@ def main() -> None:
                 max_shapes_column_width=60,
             )
         )
+
+
+def llamacpp_prices(model: str, context: int, counts: list[int], repeats: int) -> None:
+    """llama.cpp's whole pass of T rows (logits for each) after ``context`` positions of
+    ordinary token ids, median of ``repeats``, interleaved over ``counts``."""
+    from specflow.llamacpp import LlamaCppDecoder
+    from specflow.models.prepare import gguf_path
+
+    decoder = LlamaCppDecoder(gguf_path(model), threads=torch.get_num_threads())
+    ctx = decoder.target
+    ctx.feed(list(range(1000, 1000 + context)), 1)
+    times: dict[int, list[float]] = {t: [] for t in counts}
+    for _ in range(repeats + 1):  # the first round warms up
+        for t in counts:
+            t0 = time.perf_counter()
+            ctx.feed(list(range(2000, 2000 + t)), t)
+            times[t].append(time.perf_counter() - t0)
+            ctx.truncate(context)
+    decoder.close()
+    print(f"llama.cpp, {model}'s GGUF, context {context}, {torch.get_num_threads()} threads, "
+          f"median of {repeats}")
+    base = statistics.median(times[counts[0]][1:])
+    print(f"{'T':>3}{'ms':>10}{'vs T=' + str(counts[0]):>10}")
+    for t in counts:
+        med = statistics.median(times[t][1:])
+        print(f"{t:>3}{med * 1e3:>10.1f}{med / base:>10.2f}")
 
 
 if __name__ == "__main__":
