@@ -562,16 +562,19 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
   const __m256i second = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
                                           2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
   auto bcast = [](const void* p) { return _mm256_set1_epi32(load_i32(p)); };
-  for (int h = 0; h < 2 && 8 * h < nvalid; ++h) {
-    __m256 acc[MC];
-    for (int r = 0; r < MC; ++r) acc[r] = _mm256_setzero_ps();
-    for (long b = 0; b < nblocks; ++b) {
-      const uint8_t* t = tile + b * L.bytes;
-      if (fetch && h == 0) {  // the next super-block's bytes, into cache
-        for (int line = 0; line < L.bytes; line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(t + kTilePrefetch + line), _MM_HINT_T0);
-        }
+  const int halves = nvalid > 8 ? 2 : 1;
+  __m256 acc[2][MC];
+  for (int h = 0; h < 2; ++h) {
+    for (int r = 0; r < MC; ++r) acc[h][r] = _mm256_setzero_ps();
+  }
+  for (long b = 0; b < nblocks; ++b) {
+    const uint8_t* t = tile + b * L.bytes;
+    if (fetch) {  // the next super-block's bytes, into cache
+      for (int line = 0; line < L.bytes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(t + kTilePrefetch + line), _MM_HINT_T0);
       }
+    }
+    for (int h = 0; h < halves; ++h) {  // weight rows 8h .. 8h + 7
       __m256i sum[MC], low[MC];
       for (int r = 0; r < MC; ++r) sum[r] = low[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
@@ -626,7 +629,7 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
         for (int r = 0; r < MC; ++r) {
           const __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(xq.dt[dt + r]));
           const __m256i v = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(low[r], 5));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dd, acc[r]);
+          acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dd, acc[h][r]);
         }
       } else {
         const __m256 dmin = _mm256_cvtph_ps(
@@ -641,19 +644,21 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
           const int16_t* b32 = xq.bsum32.data() + (m0 + r) * n32 + b * 8;
           __m256i lw = _mm256_setzero_si256();
           for (int p = 0; p < 4; ++p) lw = _mm256_add_epi32(lw, _mm256_madd_epi16(bcast(b32 + 2 * p), mp[p]));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[r]);
-          acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(lw), _mm256_mul_ps(dmin, dx), acc[r]);
+          acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[h][r]);
+          acc[h][r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(lw), _mm256_mul_ps(dmin, dx), acc[h][r]);
         }
       }
     }
+  }
+  for (int h = 0; h < halves; ++h) {
     const int here = nvalid - 8 * h < 8 ? nvalid - 8 * h : 8;
     for (int r = 0; r < MC; ++r) {
       float* out = y + (m0 + r) * ldy + n0 + 8 * h;
       if (here == 8) {
-        _mm256_storeu_ps(out, acc[r]);
+        _mm256_storeu_ps(out, acc[h][r]);
       } else {
         alignas(32) float v[8];
-        _mm256_store_ps(v, acc[r]);
+        _mm256_store_ps(v, acc[h][r]);
         for (int i = 0; i < here; ++i) out[i] = v[i];
       }
     }
