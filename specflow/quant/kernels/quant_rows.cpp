@@ -47,10 +47,11 @@
 // Threads: OpenMP over tiles (K-quants) or output rows; loaded into a process that has loaded
 // torch the library binds to torch's libgomp, so it runs on the pool torch's operators use.
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -666,61 +667,47 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
 }
 #endif
 
-// Tiles [t0, t1) of a K-quant matrix (N rows) for activation rows [m0, m0 + mc).
-void tile_range(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq, int m0, int mc,
-                float* y, long ldy, long t0, long t1, long N) {
-  const long nblocks = xq.K / 256;
 #if defined(__AVX2__)
-  const bool q6 = type == kQ6_K;
-  for (long tt = t0; tt < t1; ++tt) {
-    const long n0 = tt * kTileRows;
-    const int nvalid = N - n0 < kTileRows ? static_cast<int>(N - n0) : kTileRows;
-    const uint8_t* tile = w + tt * tile_bytes;
-    for (int g = 0; g < mc; g += kTileGroup) {
-      const int rows = mc - g < kTileGroup ? mc - g : kTileGroup;
-      const int m = m0 + g;
-      switch (rows * 2 + q6) {
-        case 2: tile_rows<1, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 3: tile_rows<1, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 4: tile_rows<2, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 5: tile_rows<2, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 6: tile_rows<3, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 7: tile_rows<3, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 8: tile_rows<4, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        case 9: tile_rows<4, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 10: tile_rows<5, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 11: tile_rows<5, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 12: tile_rows<6, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 13: tile_rows<6, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 14: tile_rows<7, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 15: tile_rows<7, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        case 16: tile_rows<8, false>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-        default: tile_rows<8, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
-#else
-        default: tile_rows<4, true>(tile, nblocks, xq, m, y, ldy, n0, nvalid, g == 0); break;
+// tile_rows<MC, Q6> by (Q6, MC - 1): a group of MC rows runs the instance that keeps MC rows.
+using TileRowsFn = void (*)(const uint8_t*, long, const Q8Rows&, int, float*, long, long, int, bool);
+template <bool Q6, int... I>
+constexpr std::array<TileRowsFn, sizeof...(I)> tile_rows_table(std::integer_sequence<int, I...>) {
+  return {{&tile_rows<I + 1, Q6>...}};
+}
+constexpr std::array<TileRowsFn, kTileGroup> kTileRowsFns[2] = {
+    tile_rows_table<false>(std::make_integer_sequence<int, kTileGroup>()),
+    tile_rows_table<true>(std::make_integer_sequence<int, kTileGroup>())};
 #endif
-      }
-    }
+
+// Tile tt of a K-quant matrix (N rows) for activation rows [m0, m0 + mc).
+void tile_outputs(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq, int m0, int mc,
+                  float* y, long ldy, long tt, long N) {
+  const long nblocks = xq.K / 256;
+  const long n0 = tt * kTileRows;
+  const int nvalid = N - n0 < kTileRows ? static_cast<int>(N - n0) : kTileRows;
+  const uint8_t* tile = w + tt * tile_bytes;
+#if defined(__AVX2__)
+  const auto& fns = kTileRowsFns[type == kQ6_K];
+  for (int g = 0; g < mc; g += kTileGroup) {
+    const int rows = mc - g < kTileGroup ? mc - g : kTileGroup;
+    fns[rows - 1](tile, nblocks, xq, m0 + g, y, ldy, n0, nvalid, g == 0);
   }
 #else  // portable: each tile row's super-block unpacked once, then multiplied into every row
   const TileLayout& L = tile_layout(type);
   const long K = xq.K, n16 = K / 16;
   RowSuper s;
   float acc[kRowsChunk];
-  for (long tt = t0; tt < t1; ++tt) {
-    for (int i = 0; i < kTileRows && tt * kTileRows + i < N; ++i) {
-      for (int r = 0; r < mc; ++r) acc[r] = 0.0f;
-      for (long b = 0; b < nblocks; ++b) {
-        unpack_tile_row(type, w + tt * tile_bytes + b * L.bytes, i, &s);
-        for (int r = 0; r < mc; ++r) {
-          const int m = m0 + r;
-          acc[r] = tile_step(type, s, xq.q.data() + m * K + b * 256, xq.bsum.data() + m * n16 + b * 16,
-                             xq.dt[b * (xq.M + 8) + m], acc[r]);
-        }
+  for (int i = 0; i < nvalid; ++i) {
+    for (int r = 0; r < mc; ++r) acc[r] = 0.0f;
+    for (long b = 0; b < nblocks; ++b) {
+      unpack_tile_row(type, tile + b * L.bytes, i, &s);
+      for (int r = 0; r < mc; ++r) {
+        const int m = m0 + r;
+        acc[r] = tile_step(type, s, xq.q.data() + m * K + b * 256, xq.bsum.data() + m * n16 + b * 16,
+                           xq.dt[b * (xq.M + 8) + m], acc[r]);
       }
-      for (int r = 0; r < mc; ++r) y[(m0 + r) * ldy + tt * kTileRows + i] = acc[r];
     }
+    for (int r = 0; r < mc; ++r) y[(m0 + r) * ldy + n0 + i] = acc[r];
   }
 #endif
 }
@@ -788,6 +775,15 @@ void block32_rows(int type, int bytes, const uint8_t* row, long nblocks, const Q
 }
 
 
+// block32_rows<MC> by MC - 1.
+using Block32RowsFn = void (*)(int, int, const uint8_t*, long, const Q8Rows&, int, float*);
+template <int... I>
+constexpr std::array<Block32RowsFn, sizeof...(I)> block32_rows_table(std::integer_sequence<int, I...>) {
+  return {{&block32_rows<I + 1>...}};
+}
+constexpr std::array<Block32RowsFn, kRegisterRows> kBlock32RowsFns =
+    block32_rows_table(std::make_integer_sequence<int, kRegisterRows>());
+
 // Output rows [n0, n1) of a 32-block matrix for rows [m0, m0 + mc), in groups of
 // <= kRegisterRows rows, each group's accumulators in registers.
 void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes,
@@ -798,20 +794,7 @@ void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_by
     const uint8_t* row = w + n * row_bytes;
     for (int g = 0; g < mc; g += kRegisterRows) {
       const int rows = mc - g < kRegisterRows ? mc - g : kRegisterRows;
-      switch (rows) {
-        case 1: block32_rows<1>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
-        case 2: block32_rows<2>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
-        case 3: block32_rows<3>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        case 4: block32_rows<4>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
-        case 5: block32_rows<5>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
-        case 6: block32_rows<6>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
-        case 7: block32_rows<7>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
-        default: block32_rows<8>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
-#else
-        default: block32_rows<4>(type, info.bytes, row, nblocks, xq, m0 + g, out); break;
-#endif
-      }
+      kBlock32RowsFns[rows - 1](type, info.bytes, row, nblocks, xq, m0 + g, out);
       for (int r = 0; r < rows; ++r) y[(m0 + g + r) * ldy + n] = out[r];
     }
   }
@@ -920,7 +903,7 @@ int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w,
       const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
 #pragma omp parallel for schedule(static) num_threads(threads) \
     if (static_cast<long>(mc) * N * K >= kParallelWork)
-      for (long t = 0; t < tiles; ++t) tile_range(type, w, tile_bytes, xq, m0, mc, y, ldy, t, t + 1, N);
+      for (long t = 0; t < tiles; ++t) tile_outputs(type, w, tile_bytes, xq, m0, mc, y, ldy, t, N);
     }
     return 0;
   }
