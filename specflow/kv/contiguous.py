@@ -22,6 +22,7 @@ from specflow.errors import PromptTooLongError
 from specflow.kv.base import KVSpec, LayeredLM, LayerKV, SelfManagedKV
 from specflow.kv.kernels import causal_prefill
 from specflow.kv.tree import TreeLayout
+from specflow.quant.attention import attend_rows
 
 
 def layer_caches(lm: LayeredLM, max_len: int, seq_id: int = 0) -> list[LayerKV]:
@@ -146,8 +147,8 @@ class ContiguousAttention:
         cache.length = e
         if tree is None and t >= SDPA_ROWS:
             return _sdpa_block(q, cache, s, e, scale, memo)
-        if cache.row_exact and t > 1:
-            return _rows_as_steps(q, cache, s, tree, scale)
+        if cache.row_exact:
+            return _rows_as_steps(q, cache, s, tree, memo, scale)
         qf = q.transpose(0, 1).reshape(kh, (nh // kh) * t, d)  # [KH, r*T, D]
         keys_t = cache.k[:, :e].transpose(1, 2)  # [KH, D, e]
         if t == 1 and tree is None:
@@ -160,36 +161,32 @@ class ContiguousAttention:
         return torch.bmm(probs, cache.v[:, :e]).view(nh, t, d).transpose(0, 1)  # [T, NH, D]
 
 
-def _attend_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """One query row as a decoding step attends it: ``q [KH, r, D]`` over ``keys, values
-    [KH, e, D]`` (every key visible) -> ``[KH, r, D]``."""
-    scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # [KH, r, e]
-    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
-    return torch.bmm(probs, values)
-
-
 def _rows_as_steps(q: torch.Tensor, cache: KVCache, start: int, tree: TreeLayout | None,
-                   scale: float) -> torch.Tensor:
+                   memo: dict, scale: float) -> torch.Tensor:
     """``q [T, NH, D]`` of positions from ``start`` (written to the cache) -> ``[T, NH, D]``,
-    each row attended as a one-row step at its position attends it: a chain's row ``i`` over
-    the keys ``[0, start + i]`` (the same slice, the same two ``bmm``s), a tree's node over
-    the prefix and its own path, gathered in order (what decoding that path holds).  The
-    same bits as decoding, whatever the rows beside it (``KVSpec.row_exact``)."""
-    t, nh, d = q.shape
-    kh = cache.k.shape[0]
-    visible = None if tree is None else tree.visible(start, t, q.device)  # [T, s+T]
-    outs = []
-    for i in range(t):
-        qi = q[i : i + 1].transpose(0, 1).reshape(kh, nh // kh, d)  # [KH, r, D]
-        if visible is None:
-            e = start + i + 1
-            out = _attend_step(qi, cache.k[:, :e], cache.v[:, :e], scale)
+    each row attended exactly as a one-row step at its position attends it (the row-exact
+    kernel, ``specflow.quant.attention``): a chain's row ``i`` over the keys ``[0, start +
+    i]``, a tree's node over the prefix and then its own path in order (what decoding that
+    path holds).  The same bits as decoding, whatever the rows beside it
+    (``KVSpec.row_exact``)."""
+    t = q.shape[0]
+    key = ("rows_exact", start, t, id(tree))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not tree:
+        if tree is None:
+            prefix = torch.arange(start + 1, start + t + 1, dtype=torch.long)  # [T]
+            extra = None
         else:
-            cols = visible[i].nonzero().flatten()  # the prefix, the ancestors, the node
-            out = _attend_step(qi, cache.k[:, cols], cache.v[:, cols], scale)
-        outs.append(out.view(nh, d))
-    return torch.stack(outs)  # [T, NH, D]
+            visible = tree.visible(start, t, torch.device("cpu"))  # [T, s+T] bool
+            if not bool(visible[:, :start].all()):
+                raise ValueError("a tree row that does not see the whole prefix")
+            rows, cols = visible[:, start:].nonzero(as_tuple=True)  # row-major: in order
+            offsets = torch.zeros(t + 1, dtype=torch.long)
+            offsets[1:] = torch.bincount(rows, minlength=t).cumsum(0)
+            prefix = torch.full((t,), start, dtype=torch.long)
+            extra = (offsets, (cols + start).contiguous())
+        hit = memo[key] = (tree, prefix, extra)
+    return attend_rows(q, cache.k, cache.v, hit[1], hit[2], scale)
 
 
 # A causal block of at least this many new rows (a prefill, a long catch-up) is attended by

@@ -40,8 +40,9 @@ from specflow.cpu import detect as cpu
 from specflow.cpu import rows_kernel
 from specflow.cpu.float_rows import StackedRows, stackable, stacked_linear
 from specflow.cpu.int8_weights import Int8Matrix, int8_linear, quantize_int8
-from specflow.errors import ConfigError
+from specflow.errors import ConfigError, PromptTooLongError
 from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, ModelInfo
+from specflow.quant.layer import LayerShape, QuantLayer, runs_quantized
 from specflow.quant.matrix import QuantMatrix, quant_linear
 
 log = logging.getLogger("specflow")
@@ -272,6 +273,9 @@ class NativeLM:
         # GGUF blocks as published (``specflow.models.gguf_native``): one kernel at every row
         # count, so none of the row-count choices below applies.
         self.quantized = isinstance(first, QuantMatrix)
+        # id(layer weights) -> (those weights, their QuantLayer or None): the layer kernel of
+        # a quantized model's layers and adapters, made on first use (``_quant_layer``).
+        self._quant_layers: dict[int, tuple[_Layer, QuantLayer | None]] = {}
         # Packed multiplies of fewer rows run on this many (``linear``; model.min_rows,
         # ``specflow.cpu.row_padding``): 1 = as given.
         self.min_rows = 1
@@ -611,6 +615,14 @@ class NativeLM:
         n = hidden.shape[0]
         nh, kh, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.hidden_size
+        kernel = self._quant_layer(w) if self.quantized else None
+        if kernel is not None:  # GGUF blocks: the layer kernel around the attention
+            qkv = kernel.before_attention(hidden, self.cos, self.sin_signed,
+                                          self._position_ids(rows, memo))
+            qk = qkv[:, : (nh + kh) * d].view(n, nh + kh, d)  # [N, NH + KH, D], rotated
+            v = qkv[:, (nh + kh) * d :].view(n, kh, d)  # [N, KH, D]
+            att = attention.attend(qk[:, :nh], qk[:, nh:], v, batch, self.scale, memo)
+            return kernel.after_attention(hidden, att.reshape(n, nh * d))  # [N, H]
 
         r = self.min_rows
         x = F.rms_norm(hidden, (h,), w.ln1, self.eps)  # [N, H]
@@ -626,6 +638,36 @@ class NativeLM:
         gate, up = linear(x, w.w_gate_up, w.b_gate_up, r).chunk(2, dim=-1)  # [N, I] each
         act = F.silu(gate).mul_(up)  # [N, I]: one new tensor, the product in place
         return hidden + linear(act, w.w_down, w.b_down, r)  # [N, H]
+
+    def _quant_layer(self, w: _Layer) -> QuantLayer | None:
+        """The layer kernel of ``w`` (``specflow.quant.layer``), made once; None where one
+        of its matrices is not all GGUF blocks the kernel multiplies (then torch runs it)."""
+        hit = self._quant_layers.get(id(w))
+        if hit is None or hit[0] is not w:
+            matrices = {"wqkv": (w.wqkv, w.bqkv), "wo": (w.wo, w.bo),
+                        "w_gate_up": (w.w_gate_up, w.b_gate_up), "w_down": (w.w_down, w.b_down)}
+            kernel = None
+            if runs_quantized(*(m for m, _ in matrices.values())):
+                shape = LayerShape(self.hidden_size, self.num_heads, self.num_kv_heads,
+                                   self.head_dim, w.w_down.shape[1], self.eps)
+                kernel = QuantLayer(shape, w.ln1, w.ln2, matrices)
+            hit = self._quant_layers[id(w)] = (w, kernel)
+        return hit[1]
+
+    def _position_ids(self, rows: slice | torch.Tensor, memo: dict) -> torch.Tensor:
+        """``rows`` (``attention.positions``) as int64 ``[N]``, each a row of the RoPE tables
+        (checked: the kernel indexes them unchecked); made once per forward (``memo``)."""
+        key = ("position_ids", id(rows)) if isinstance(rows, torch.Tensor) else (
+            "position_ids", rows.start, rows.stop)
+        hit = memo.get(key)
+        if hit is None or (isinstance(rows, torch.Tensor) and hit[0] is not rows):
+            ids = (torch.arange(rows.start, rows.stop, dtype=torch.long)
+                   if isinstance(rows, slice) else rows.to(torch.long).contiguous())
+            if ids.numel() and int(ids.max()) >= self.cos.shape[0]:
+                raise PromptTooLongError(f"position {int(ids.max())} is beyond the model's "
+                                         f"{self.cos.shape[0]} RoPE positions")
+            hit = memo[key] = (rows, ids)
+        return hit[1]
 
     def _rope_rows(self, rows: slice | torch.Tensor,
                    memo: dict) -> tuple[torch.Tensor, torch.Tensor]:

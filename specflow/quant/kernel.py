@@ -42,7 +42,11 @@ from specflow.cpu.detect import cpuinfo_field
 
 log = logging.getLogger("specflow")
 
-SOURCE = Path(__file__).with_name("kernels") / "quant_rows.cpp"
+KERNELS = Path(__file__).with_name("kernels")
+# compiled together into one library: the products, the row-exact attention, and a layer's
+# work around its attention; the header they share counts in the library's hash
+SOURCES = (KERNELS / "quant_rows.cpp", KERNELS / "attend_rows.cpp", KERNELS / "layer_rows.cpp")
+HEADERS = (KERNELS / "vec_math.h",)
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 BUILD_FLAGS = {
@@ -104,6 +108,12 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.quant_tile_bytes.restype = n
     lib.quant_repack.argtypes = [i, p, n, n, p, i]
     lib.quant_repack.restype = i
+    lib.quant_attend_rows.argtypes = [i, i, i, i, p, n, p, p, n, p, p, p, ctypes.c_float, p, i]
+    lib.quant_attend_rows.restype = i
+    lib.quant_layer_before_attention.argtypes = [p, i, p, p, p, p, p, i]
+    lib.quant_layer_before_attention.restype = i
+    lib.quant_layer_after_attention.argtypes = [p, i, p, p, p, i]
+    lib.quant_layer_after_attention.restype = i
     lib.quant_rows_isa.argtypes = []
     lib.quant_rows_isa.restype = i
     return lib
@@ -116,7 +126,8 @@ def build_library(build: str) -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++; or $CXX) on PATH")
     flags = (*COMMON_FLAGS, *BUILD_FLAGS[build])
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    text = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"quant_rows-{build}-{digest}.so"
     if out.exists():
         return out
@@ -125,10 +136,11 @@ def build_library(build: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp],
+                              capture_output=True, text=True, timeout=300)
         if done.returncode:
-            raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[:300]}")
+            names = " + ".join(source.name for source in SOURCES)
+            raise RuntimeError(f"building {names} failed: {done.stderr.strip()[:300]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

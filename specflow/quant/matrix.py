@@ -135,14 +135,17 @@ class QuantMatrix:
         if not part.quantized:
             return F.embedding(ids, part.blocks)
         out = torch.empty(ids.shape[0], part.cols, dtype=torch.float32)  # [T, K]
-        err = _library().quant_dequantize_rows(part.ggml_type, part.blocks.data_ptr(), part.cols,
-                                               ids.data_ptr(), ids.shape[0], out.data_ptr())
+        err = quant_library().quant_dequantize_rows(
+            part.ggml_type, part.blocks.data_ptr(), part.cols, ids.data_ptr(), ids.shape[0],
+            out.data_ptr())
         if err:
             raise ValueError(f"quant_dequantize_rows: {type_name(part.ggml_type)} {part.cols}")
         return out
 
 
-def _library():
+def quant_library():
+    """The loaded kernel library (``specflow.quant.kernel``); ``ConfigError`` naming the
+    fix where none runs."""
     status = kernel_status()
     if status.library is None:
         raise ConfigError(f"GGUF-quantized weights need the quantized rows kernel: {status.why}; "
@@ -160,7 +163,7 @@ def quant_linear(x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None) -> 
     col = 0
     for part in w.parts:
         if part.quantized:
-            err = _library().quant_rows_linear(part.ggml_type, rows, x.data_ptr(), k,
+            err = quant_library().quant_rows_linear(part.ggml_type, rows, x.data_ptr(), k,
                                                part.blocks.data_ptr(), part.rows,
                                                y.data_ptr() + col * 4, n_total, threads)
             if err:
@@ -196,7 +199,7 @@ def part_from_numpy(ggml_type: int, data: np.ndarray, cols: int) -> QuantPart:
     blocks = blocks.reshape(rows, -1)
     if ggml_type not in TILED_TYPES:
         return QuantPart(ggml_type, blocks, cols, rows)
-    lib = _library()
+    lib = quant_library()
     tile_bytes = lib.quant_tile_bytes(ggml_type, cols)
     tiles = torch.empty(-(-rows // TILE_ROWS), tile_bytes, dtype=torch.uint8)
     if lib.quant_repack(ggml_type, blocks.data_ptr(), rows, cols, tiles.data_ptr(),

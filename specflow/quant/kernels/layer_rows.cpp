@@ -1,0 +1,175 @@
+// A quantized decoder layer's work around its attention, in two calls: what a Llama/Qwen2
+// layer (specflow.models.native) does before attending and after, for T rows, with the
+// quantized products of quant_rows.cpp.  One call replaces about 15 torch operators (two RMS
+// norms, the bias adds, RoPE, SiLU, the products of the parts, the residual adds), whose
+// dispatch cost a decoding step more than a tenth of its time.
+//
+//   before:  x = rms(h) * ln1;  qkv = x Wqkv^T + bqkv;  q, k = rope(q, k) at the rows' positions
+//   after:   h1 = h + (a Wo^T + bo);  x = rms(h1) * ln2;  [g, u] = x Wgu^T + bgu
+//            h' = h1 + ((silu(g) * u) Wdown^T + bdown)
+//
+// with, per row (all float32, each step rounded as written):
+//
+//   rms(h)  = h * (1 / sqrt(ss / H + eps)),  ss = sum of h_e * h_e in 8 lanes by e mod 8,
+//             left to right, reduced as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+//   rope(x) = x_e * cos_e + x_{e +- D/2} * sin_signed_e   (two products, then their sum)
+//   silu(g) = g / (1 + exp(-g))   (rowexact::exp_clamped, vec_math.h)
+//
+// A row's result reads only that row (and the weights), so it is the same bits whatever the
+// rows beside it, their number or the threads (the products guarantee that for themselves);
+// the AVX2 and portable forms of each loop compute the same bits.
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "vec_math.h"
+
+extern "C" int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w,
+                                 long N, float* y, long ldy, int threads);
+
+namespace {
+
+using rowexact::exp_clamped;
+using rowexact::kLanes;
+using rowexact::lanes_sum;
+
+constexpr int kMaxParts = 4;
+
+// W [N, K] stacked from parts (each a K-quant's tiles or a 32-block type's rows).
+struct MatrixDesc {
+  int parts;
+  int type[kMaxParts];
+  const uint8_t* blocks[kMaxParts];
+  long rows[kMaxParts];
+  long cols;
+  const float* bias;  // [N] or null
+};
+
+struct LayerDesc {
+  long hidden, heads, kv_heads, head_dim, inner;
+  float eps;
+  const float* ln1;
+  const float* ln2;
+  MatrixDesc wqkv, wo, w_gate_up, w_down;
+};
+
+long total_rows(const MatrixDesc& m) {
+  long n = 0;
+  for (int p = 0; p < m.parts; ++p) n += m.rows[p];
+  return n;
+}
+
+// y [T, N] = x [T, K] W^T + bias.
+int linear(const MatrixDesc& m, int T, const float* x, float* y, int threads) {
+  const long n = total_rows(m);
+  long col = 0;
+  for (int p = 0; p < m.parts; ++p) {
+    if (quant_rows_linear(m.type[p], T, x, m.cols, m.blocks[p], m.rows[p], y + col, n, threads))
+      return 1;
+    col += m.rows[p];
+  }
+  if (m.bias) {
+    for (long i = 0; i < static_cast<long>(T) * n; ++i) y[i] = y[i] + m.bias[i % n];
+  }
+  return 0;
+}
+
+// y [T, H] = rms(x) * w, per row (module doc).
+void rms_norm(const float* x, const float* w, int T, long H, float eps, float* y) {
+  for (int t = 0; t < T; ++t) {
+    const float* xr = x + t * H;
+    float* yr = y + t * H;
+    float l[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long e = 0;
+    for (; e + kLanes <= H; e += kLanes) {
+      for (int u = 0; u < kLanes; ++u) l[u] = l[u] + xr[e + u] * xr[e + u];
+    }
+    for (; e < H; ++e) l[e % kLanes] = l[e % kLanes] + xr[e] * xr[e];
+    const float r = 1.0f / std::sqrt(lanes_sum(l) / static_cast<float>(H) + eps);
+    for (long i = 0; i < H; ++i) yr[i] = (xr[i] * r) * w[i];
+  }
+}
+
+// x [heads, D] of one row rotated in place at one position's cos, sin_signed [D].
+void rope(float* x, long heads, long d, const float* cos, const float* sin_signed) {
+  const long half = d / 2;
+  for (long h = 0; h < heads; ++h) {
+    float* xh = x + h * d;
+    for (long e = 0; e < half; ++e) {
+      const float a = xh[e], b = xh[e + half];
+      xh[e] = a * cos[e] + b * sin_signed[e];
+      xh[e + half] = b * cos[e + half] + a * sin_signed[e + half];
+    }
+  }
+}
+
+// act [T, I] = silu(g) * u for gu [T, 2I] = [g, u] per row.
+void silu_mul(const float* gu, int T, long inner, float* act) {
+  for (int t = 0; t < T; ++t) {
+    const float* g = gu + t * 2 * inner;
+    const float* u = g + inner;
+    float* a = act + t * inner;
+    long e = 0;
+#if defined(__AVX2__)
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; e + kLanes <= inner; e += kLanes) {
+      const __m256 gv = _mm256_loadu_ps(g + e);
+      const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp_clamped(_mm256_sub_ps(zero, gv))));
+      _mm256_storeu_ps(a + e, _mm256_mul_ps(s, _mm256_loadu_ps(u + e)));
+    }
+#endif
+    for (; e < inner; ++e) a[e] = (g[e] / (1.0f + exp_clamped(0.0f - g[e]))) * u[e];
+  }
+}
+
+thread_local std::vector<float> scratch_a, scratch_b;
+
+float* buffer(std::vector<float>& v, long n) {
+  if (static_cast<long>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+}  // namespace
+
+extern "C" {
+
+// qkv [T, (NH + 2 KH) D] = the layer's q, k, v of rows h [T, H], q and k rotated at
+// positions[t] (cos, sin_signed: [positions, D] tables).  Returns 0, or 1 on a bad shape.
+int quant_layer_before_attention(const LayerDesc* L, int T, const float* h, const float* cos,
+                                 const float* sin_signed, const long* positions, float* qkv,
+                                 int threads) {
+  const long H = L->hidden, D = L->head_dim;
+  const long width = (L->heads + 2 * L->kv_heads) * D;
+  if (total_rows(L->wqkv) != width || L->wqkv.cols != H || D % 2) return 1;
+  float* x = buffer(scratch_a, T * H);
+  rms_norm(h, L->ln1, T, H, L->eps, x);
+  if (linear(L->wqkv, T, x, qkv, threads)) return 1;
+  for (int t = 0; t < T; ++t) {
+    rope(qkv + t * width, L->heads + L->kv_heads, D, cos + positions[t] * D,
+         sin_signed + positions[t] * D);
+  }
+  return 0;
+}
+
+// out [T, H] = the layer's output for rows h [T, H] whose attention is a [T, NH D].
+int quant_layer_after_attention(const LayerDesc* L, int T, const float* h, const float* a,
+                                float* out, int threads) {
+  const long H = L->hidden, I = L->inner;
+  if (total_rows(L->wo) != H || total_rows(L->w_gate_up) != 2 * I || L->w_down.cols != I ||
+      total_rows(L->w_down) != H) {
+    return 1;
+  }
+  float* o = buffer(scratch_a, T * (2 * I > H ? 2 * I : H));
+  if (linear(L->wo, T, a, o, threads)) return 1;
+  for (long i = 0; i < T * H; ++i) out[i] = h[i] + o[i];
+  float* x = buffer(scratch_b, T * (I > H ? I : H));
+  rms_norm(out, L->ln2, T, H, L->eps, x);
+  if (linear(L->w_gate_up, T, x, o, threads)) return 1;
+  silu_mul(o, T, I, x);
+  if (linear(L->w_down, T, x, o, threads)) return 1;
+  for (long i = 0; i < T * H; ++i) out[i] = out[i] + o[i];
+  return 0;
+}
+
+}  // extern "C"
