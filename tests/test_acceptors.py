@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from specflow.acceptance import greedy_accept, rejection_accept
 from specflow.engine import SpeculativePipeline
 from specflow.sampling import SamplingParams, greedy_tokens, warp
-from specflow.scheduler import generate
+from specflow.scheduler import Scheduler, SeqRequest, generate
 from stages.acceptors.standard import StandardAcceptor
 from stages.drafters.model import ModelDrafter
 from stages.verifiers.full import FullVerifier
@@ -116,16 +116,19 @@ def test_sampled_pipeline_matches_target_distribution(tiny_target, tiny_drafter,
         p2 = warp(sess.logits(lm.info.num_layers, 3, 4), sampling)[0]
         for t2 in p2.nonzero().flatten().tolist():
             law[(t1, t2)] = float(p1[t1] * p2[t2])
-    trials = 1500
+    trials = 1500  # 8 requests a round: each draws what it draws alone (checked for seed 7)
+    reqs = [SeqRequest(prompt, 2, seed=s, stop_token_ids=()) for s in range(trials)]
+    results = Scheduler(pipe, 8, max_context=16).generate(reqs, sampling)
     counts = dict.fromkeys(law, 0)
-    for seed in range(trials):
-        toks = tuple(generate(pipe, prompt, 2, sampling, seed=seed, stop_token_ids=()).tokens)
-        counts[toks] += 1  # a KeyError here = a token outside the target's support
+    for r in results:
+        counts[tuple(r.generation.tokens)] += 1  # a KeyError = a token outside the support
     cells = list(law)
     pvalue = chisquare(
         [counts[c] for c in cells], [law[c] * trials / sum(law.values()) for c in cells]
     ).pvalue
     assert pvalue > 1e-3
+    alone = generate(pipe, prompt, 2, sampling, seed=7, stop_token_ids=()).tokens
+    assert next(r for r in results if r.request.seed == 7).generation.tokens == alone
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

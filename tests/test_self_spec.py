@@ -11,7 +11,7 @@ from specflow.errors import ConfigError
 from specflow.kv.session import ModelSession
 from specflow.kv.stores import KVStores
 from specflow.sampling import SamplingParams
-from specflow.scheduler import generate
+from specflow.scheduler import Scheduler, SeqRequest, generate
 from specflow.state import DecodeState
 from stages.acceptors.standard import StandardAcceptor
 from stages.drafters.feature import FeatureDrafter
@@ -212,11 +212,12 @@ def test_hispec_sampling_follows_the_target_law(deep, deep_feature_head, drafter
         new = 4
     prompt = [1, 5, 9]
     law = two_token_law(lm, prompt, sampling)
-    trials = 1200
+    trials = 1200  # 8 requests a round: each draws what it draws alone (checked for seed 7)
+    reqs = [SeqRequest(prompt, new, seed=s, stop_token_ids=()) for s in range(trials)]
+    results = Scheduler(pipe, 8, max_context=16).generate(reqs, sampling)
     counts = dict.fromkeys(law, 0)
-    for seed in range(trials):
-        gen = generate(pipe, prompt, new, sampling, seed=seed, stop_token_ids=())
-        counts[tuple(gen.tokens[:2])] += 1
+    for r in results:
+        counts[tuple(r.generation.tokens[:2])] += 1
     cells = list(law)
     assert (
         chisquare(
@@ -224,3 +225,5 @@ def test_hispec_sampling_follows_the_target_law(deep, deep_feature_head, drafter
         ).pvalue
         > 1e-3
     )
+    alone = generate(pipe, prompt, new, sampling, seed=7, stop_token_ids=()).tokens
+    assert next(r for r in results if r.request.seed == 7).generation.tokens == alone

@@ -27,6 +27,7 @@ Deterministic for a seed; ``LocalPrompt.source`` names the file (or template) ea
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import re
 import sysconfig
@@ -70,8 +71,10 @@ def _stdlib_files(root: Path, rng: random.Random, limit: int) -> list[Path]:
     return files[:limit]
 
 
+@functools.cache
 def _pieces(path: Path) -> tuple[list[str], list[str], list[tuple[str, str]]]:
-    """(function/class sources, prose paragraphs, (function name, first docstring sentence))."""
+    """(function/class sources, prose paragraphs, (function name, first docstring sentence));
+    parsed once per file and process (a job draws its prompts again on a rerun)."""
     try:
         text = path.read_text(encoding="utf-8")
         tree = ast.parse(text)

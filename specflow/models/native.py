@@ -23,6 +23,12 @@ Per layer and block of ``T`` positions ``[s, s+T)``:
     h' = x + down(silu(gate(rms(x))) * up(rms(x)))
 
 Attention is causal *lower-right aligned*: query ``s+i`` sees keys ``<= s+i``.
+
+A model whose matrices are all GGUF blocks (``specflow.models.gguf_native``) runs the same
+layer through ``specflow.quant.layer``: everything before the attention (norm, q/k/v, bias,
+RoPE) in one kernel call, everything after it (o_proj, residual, norm, gate/up, SiLU, down,
+residual) in another, each row's bits independent of the rows beside it; its cache attends
+with the row-exact kernel (``specflow.quant.attention``).
 """
 
 from __future__ import annotations
