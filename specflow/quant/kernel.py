@@ -8,7 +8,11 @@ is decoded once per group of rows and multiplied in with integer dot products, a
 result is the same bits whatever the other rows, their number or the threads -- so decoding
 one row and verifying ``k+1`` rows agree exactly, which lossless speculation needs.
 
-Three builds of the one source, chosen by probing the CPU:
+The same library holds the quantized layers' other kernels, built from the same flags:
+the row-exact attention (``kernels/attend_rows.cpp``, ``specflow.quant.attention``) and a
+layer's work around its attention (``kernels/layer_rows.cpp``, ``specflow.quant.layer``).
+
+Three builds of the sources, chosen by probing the CPU:
 
 - ``avx512`` (AVX2's flags and ``-mavx512f -mavx512bw -mavx512vl -mavx512vnni``) where
   ``/proc/cpuinfo`` also lists those (VNNI: 4 values of 16 weight rows in one product);
