@@ -17,6 +17,7 @@ as soon as the request is done.  Warm-up generations run first and are not timed
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -54,6 +55,20 @@ WARM_UP = "Count from one to twenty in words, then name the twelve months of the
 
 DRIFT_WARN = 0.10  # a cached baseline that re-times more than 10 % off is reported
 
+
+
+def set_aside_long_lived_objects() -> None:
+    """Collect once, then move every object alive now (the loaded models' readers and
+    tokenizers, compiled kernels, warm-up buffers: about 200 000 for a GGUF 1.5B) out of the
+    garbage collector's reach (``gc.freeze``, as vLLM does after start-up), so the collections
+    decoding triggers walk only what decoding allocates.  Unfrozen, a full collection of the
+    GGUF 1.5B's process takes about 140 ms and the young ones cost a 1-row pass about 4%
+    (2-core EPYC Zen 3).  Objects alive now that die later are still freed by reference
+    counting; only their cycles stay.  Once per process; later calls do nothing."""
+    if gc.get_freeze_count():
+        return
+    gc.collect()
+    gc.freeze()
 
 class Tokenizer(Protocol):
     """What the runner needs of a tokenizer (a HF tokenizer satisfies it)."""
@@ -387,6 +402,7 @@ class Runner:
         log.info("decoding: batch_size=%d device=%s kv=%s", s.batch_size, s.device, s.layout().kind)
         if s.warmup:
             self.warmup([method] + ([base] if base is not None else []), todo)
+        set_aside_long_lived_objects()
         if base is not None and self.baseline_cache.directory is not None:
             self._check_drift(base, todo[0])
         on_round = self._round_hook()

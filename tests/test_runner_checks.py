@@ -153,3 +153,23 @@ def test_on_run_end_runs_even_when_writing_the_summary_fails(tiny_target, tmp_pa
         runner.run([Request("a", "qa", ("abc",))], folder, RunMeta(method="p"))
     assert ends.ended == 1
     assert [r.request_id for r in RunFolder(tmp_path, resume=True).records] == ["a"]
+
+
+def test_objects_alive_after_warm_up_are_set_aside_from_the_collector_once():
+    """``set_aside_long_lived_objects``: gc.freeze once per process (a fresh interpreter,
+    so this test's own objects stay collectable)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc\n"
+        "from specflow.runner import set_aside_long_lived_objects as aside\n"
+        "assert gc.get_freeze_count() == 0\n"
+        "aside(); n = gc.get_freeze_count(); assert n > 1000, n\n"
+        "kept = [[] for _ in range(100)]\n"
+        "aside(); assert gc.get_freeze_count() == n\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
