@@ -91,6 +91,26 @@ def test_parts_stack_and_bias_adds():
     assert torch.equal(quant_linear(x, fused.prefix(10), None), y[:, :10])
 
 
+
+def test_mixed_parts_in_one_call_give_each_parts_own_bits():
+    """K-quant and 32-block parts in one call (activations quantized once per block size, the
+    parts' outputs shared out over 2 threads) against each part alone on one thread."""
+    alone = [weights(t, n=n, seed=s)[0] for t, n, s in
+             ((T.Q4_K, 40, 1), (T.Q5_0, 21, 2), (T.Q6_K, 17, 3), (T.Q8_0, 9, 4))]
+    fused = QuantMatrix(tuple(m.parts[0] for m in alone))
+    x = torch.randn(12, K, generator=torch.Generator().manual_seed(8))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y = quant_linear(x, fused, None)
+        torch.set_num_threads(1)
+        expected = torch.cat([quant_linear(x, m, None) for m in alone], 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert y.shape == (12, 87)
+    assert torch.equal(y, expected)
+
+
 VECTOR_BUILDS = [b for b in ("avx512", "avx2") if b in kernel.runnable_builds()]
 
 

@@ -104,6 +104,8 @@ def _load(path: Path) -> ctypes.CDLL:
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.quant_rows_linear.argtypes = [i, i, p, n, p, n, p, n, i]
     lib.quant_rows_linear.restype = i
+    lib.quant_rows_linear_parts.argtypes = [i, p, p, p, i, p, n, p, n, i]
+    lib.quant_rows_linear_parts.restype = i
     lib.quant_dequantize_rows.argtypes = [i, p, n, p, n, p]
     lib.quant_dequantize_rows.restype = i
     lib.quant_row_bytes.argtypes = [i, n]

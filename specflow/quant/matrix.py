@@ -15,6 +15,7 @@ and integer dot products, the same bits for a row whatever the rows beside it.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ KERNEL_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
 TILED_TYPES = {12, 14}  # kept in tiles of TILE_ROWS rows (quant_repack)
 TILE_ROWS = 16
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+CALL_PARTS = 8  # parts quant_rows_linear_parts multiplies in one call
 
 
 def type_name(ggml_type: int) -> str:
@@ -160,6 +162,21 @@ def quant_linear(x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None) -> 
     n_total = w.shape[0]
     y = torch.empty(rows, n_total, dtype=torch.float32)  # [T, N]
     threads = torch.get_num_threads()
+    if len(w.parts) <= CALL_PARTS and all(part.quantized for part in w.parts):
+        # one call: x quantized once per block size, one region of threads for all parts
+        count = len(w.parts)
+        types = (ctypes.c_int * count)(*(part.ggml_type for part in w.parts))
+        blocks = (ctypes.c_void_p * count)(*(part.blocks.data_ptr() for part in w.parts))
+        part_rows = (ctypes.c_long * count)(*(part.rows for part in w.parts))
+        err = quant_library().quant_rows_linear_parts(count, types, blocks, part_rows, rows,
+                                                      x.data_ptr(), k, y.data_ptr(), n_total,
+                                                      threads)
+        if err:
+            shapes = ", ".join(f"{type_name(p.ggml_type)} [{p.rows}, {p.cols}]" for p in w.parts)
+            raise ValueError(f"quant_rows_linear_parts: x {tuple(x.shape)} against {shapes}")
+        if bias is not None:
+            y += bias
+        return y
     col = 0
     for part in w.parts:
         if part.quantized:

@@ -1,5 +1,5 @@
 """``python -m train_heads.train head=feature`` end to end on SmolLM2-135M (the integration
-model; about 40 s): data cached in chunks and reused, a head installed that the drafter
+model; about 30 s): data cached in chunks and reused, a head installed that the drafter
 loads and drafts with, the learning curve and report written."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def _compose(tmp_path: Path, *overrides: str):
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(str(conf), version_base="1.3"):
         return compose("config", overrides=[
-            "model=smollm2-135m", "head=feature", "head.data.num_prompts=12",
-            "head.data.max_new_tokens=12", "head.data.chunk=6", "head.data.eval_every=40",
-            "head.data.eval_max_new_tokens=12", "head.batch_rows=256", "trainer.max_epochs=1",
+            "model=smollm2-135m", "head=feature", "head.data.num_prompts=8",
+            "head.data.max_new_tokens=8", "head.data.chunk=4", "head.data.eval_every=40",
+            "head.data.eval_max_new_tokens=8", "head.batch_rows=256", "trainer.max_epochs=1",
             "progress=false", "logger=none", f"output.dir={tmp_path / 'run'}",
             f"output.install_path={tmp_path / 'installed' / 'feature_head.safetensors'}",
             f"data.cache_dir={tmp_path / 'cache'}", "threads=null", *overrides,
@@ -41,8 +41,8 @@ def test_feature_job_end_to_end(tmp_path):
                         trust_remote_code=False, packed_weights=None)
     res = run(_compose(tmp_path), loaded)
     data = res["data"]
-    assert data["train_sequences"] == 12 and data["heldout_sequences"] == 3
-    assert data["train_built_positions"] == data["train_positions"] > 12 * 12
+    assert data["train_sequences"] == 8 and data["heldout_sequences"] == 3
+    assert data["train_built_positions"] == data["train_positions"] > 8 * 8
     assert len(list(Path(data["cache"]).glob("train_*.safetensors"))) == 2  # two chunks
     assert res["train_steps"] > 0 and res["curve"] and "agree_2" in res["curve"][-1]
     assert {"agreement", "kl", "tau", "accept_by_step"} <= set(res["after"])

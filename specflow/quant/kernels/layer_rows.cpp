@@ -25,8 +25,9 @@
 
 #include "vec_math.h"
 
-extern "C" int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w,
-                                 long N, float* y, long ldy, int threads);
+extern "C" int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* blocks,
+                                       const long* rows, int M, const float* x, long K, float* y,
+                                       long ldy, int threads);
 
 namespace {
 
@@ -63,12 +64,7 @@ long total_rows(const MatrixDesc& m) {
 // y [T, N] = x [T, K] W^T + bias.
 int linear(const MatrixDesc& m, int T, const float* x, float* y, int threads) {
   const long n = total_rows(m);
-  long col = 0;
-  for (int p = 0; p < m.parts; ++p) {
-    if (quant_rows_linear(m.type[p], T, x, m.cols, m.blocks[p], m.rows[p], y + col, n, threads))
-      return 1;
-    col += m.rows[p];
-  }
+  if (quant_rows_linear_parts(m.parts, m.type, m.blocks, m.rows, T, x, m.cols, y, n, threads)) return 1;
   if (m.bias) {
     for (long i = 0; i < static_cast<long>(T) * n; ++i) y[i] = y[i] + m.bias[i % n];
   }

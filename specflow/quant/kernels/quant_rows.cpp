@@ -913,9 +913,9 @@ void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_by
 // The calling thread's activation buffers, reused from call to call (no allocation per
 // product).  Out of line, and passed to the parallel regions as a pointer: a thread_local
 // named inside a region would be each worker's own.
-__attribute__((noinline)) Q8Rows* thread_buffers() {
-  static thread_local Q8Rows buffers;
-  return &buffers;
+__attribute__((noinline)) Q8Rows* thread_buffers(int which) {
+  static thread_local Q8Rows buffers[2];  // 256-blocks (K-quants), 32-blocks
+  return &buffers[which];
 }
 
 }  // namespace
@@ -976,41 +976,62 @@ int quant_repack(int type, const uint8_t* w, long N, long K, uint8_t* out, int t
   return 0;
 }
 
-// y[m, col0 + n] = sum_k x[m, k] W[n, k] for m < M, n < N, x [M, K] float32 row-major, y with
-// row stride ldy; W [N, K] in `type`: a K-quant's tiles (quant_repack), a 32-block type's rows
-// as the file lays them.  Returns 0, or -1 for a bad type or shape.
-int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w, long N,
-                      float* y, long ldy, int threads) {
-  TypeInfo info;
-  if (!type_info(type, &info) || M <= 0 || K <= 0 || K % info.block || N <= 0) return -1;
-  Q8Rows* const buffers = thread_buffers();
-  quantize_rows(x, M, K, info.block, threads, buffers);
-  const Q8Rows& xq = *buffers;
-  if (info.k_quant) {
-    const long tile_bytes = K / 256 * tile_layout(type).bytes;
-    const long tiles = (N + kTileRows - 1) / kTileRows;
-    for (int m0 = 0; m0 < M; m0 += kRowsChunk) {
-      const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) \
-    if (static_cast<long>(mc) * N * K >= kParallelWork)
-      for (long t = 0; t < tiles; ++t) tile_outputs(type, w, tile_bytes, xq, m0, mc, y, ldy, t, N);
-    }
-    return 0;
+// y[m, col_p + n] = sum_k x[m, k] W_p[n, k] for m < M and each part p's rows n < rows[p]
+// (col_p = the rows of the parts before p): a matrix stacked from parts (a fused q/k/v or
+// gate/up), x [M, K] float32 row-major, y with row stride ldy; part p in types[p]: a K-quant's
+// tiles (quant_repack), a 32-block type's rows as the file lays them.  The activations are
+// quantized once per block size, and all the parts' outputs are shared out over the threads in
+// one parallel region (a K-quant's tile of 16 rows or 8 rows of a 32-block type a unit).
+// Returns 0, or -1 for a bad type or shape.
+int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* blocks,
+                            const long* rows, int M, const float* x, long K, float* y, long ldy,
+                            int threads) {
+  constexpr int kMaxParts = 8;
+  constexpr long kTile = 8;  // outputs of a 32-block type a unit
+  if (parts <= 0 || parts > kMaxParts || M <= 0 || K <= 0) return -1;
+  TypeInfo info[kMaxParts];
+  long col[kMaxParts], first[kMaxParts + 1], bytes[kMaxParts];
+  double work = 0.0;  // in units of the work that pays a parallel region
+  bool need256 = false, need32 = false;
+  first[0] = 0;
+  for (int p = 0; p < parts; ++p) {
+    if (!type_info(types[p], &info[p]) || K % info[p].block || rows[p] <= 0) return -1;
+    col[p] = p ? col[p - 1] + rows[p - 1] : 0;
+    const bool kq = info[p].k_quant;
+    bytes[p] = kq ? K / 256 * tile_layout(types[p]).bytes : K / info[p].block * info[p].bytes;
+    first[p + 1] = first[p] + (kq ? (rows[p] + kTileRows - 1) / kTileRows : (rows[p] + kTile - 1) / kTile);
+    const double chunk = static_cast<double>(M < kRowsChunk ? M : kRowsChunk) * rows[p] * K;
+    work += chunk / static_cast<double>(kq ? kParallelWork : kParallelWork32);
+    (kq ? need256 : need32) = true;
   }
-  const long row_bytes = K / info.block * info.bytes;
-  constexpr long kTile = 8;  // outputs a scheduling unit
-  const long units = (N + kTile - 1) / kTile;
+  Q8Rows* const x256 = need256 ? thread_buffers(0) : nullptr;
+  Q8Rows* const x32 = need32 ? thread_buffers(1) : nullptr;
+  if (x256) quantize_rows(x, M, K, 256, threads, x256);
+  if (x32) quantize_rows(x, M, K, 32, threads, x32);
+  const long units = first[parts];
   for (int m0 = 0; m0 < M; m0 += kRowsChunk) {
     const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) \
-    if (static_cast<long>(mc) * N * K >= kParallelWork32)
-    for (long t = 0; t < units; ++t) {
-      const long n0 = t * kTile;
-      const long n1 = n0 + kTile < N ? n0 + kTile : N;
-      block32_range(type, info, w, row_bytes, xq, m0, mc, y, ldy, n0, n1);
+#pragma omp parallel for schedule(static) num_threads(threads) if (work >= 1.0)
+    for (long u = 0; u < units; ++u) {
+      int p = 0;
+      while (u >= first[p + 1]) ++p;
+      const long local = u - first[p];
+      if (info[p].k_quant) {
+        tile_outputs(types[p], blocks[p], bytes[p], *x256, m0, mc, y + col[p], ldy, local, rows[p]);
+      } else {
+        const long n0 = local * kTile;
+        const long n1 = n0 + kTile < rows[p] ? n0 + kTile : rows[p];
+        block32_range(types[p], info[p], blocks[p], bytes[p], *x32, m0, mc, y + col[p], ldy, n0, n1);
+      }
     }
   }
   return 0;
+}
+
+// One part: y[m, n] = sum_k x[m, k] W[n, k] (quant_rows_linear_parts).
+int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w, long N,
+                      float* y, long ldy, int threads) {
+  return quant_rows_linear_parts(1, &type, &w, &N, M, x, K, y, ldy, threads);
 }
 
 // out[r, :] = the float32 values of rows ids[r] of W (an embedding lookup), R rows; W as
