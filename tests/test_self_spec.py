@@ -212,9 +212,9 @@ def test_hispec_sampling_follows_the_target_law(deep, deep_feature_head, drafter
         new = 4
     prompt = [1, 5, 9]
     law = two_token_law(lm, prompt, sampling)
-    trials = 1200  # 8 requests a round: each draws what it draws alone (checked for seed 7)
+    trials = 1200  # 32 requests a round: each draws what it draws alone (checked for seed 7)
     reqs = [SeqRequest(prompt, new, seed=s, stop_token_ids=()) for s in range(trials)]
-    results = Scheduler(pipe, 8, max_context=16).generate(reqs, sampling)
+    results = Scheduler(pipe, 32, max_context=16).generate(reqs, sampling)
     counts = dict.fromkeys(law, 0)
     for r in results:
         counts[tuple(r.generation.tokens[:2])] += 1
