@@ -73,7 +73,7 @@ from specflow.results.measure import generation_metrics, task_scores  # noqa: E4
 from specflow.results.paired import paired_report  # noqa: E402
 from specflow.results.records import RequestRecord, TurnRecord  # noqa: E402
 from specflow.results.run_folder import REQUESTS_FILE, RunFolder, read_records, results_fingerprint  # noqa: E402
-from specflow.runner import WARM_UP, build_prompt  # noqa: E402
+from specflow.runner import WARM_UP, build_prompt, set_aside_long_lived_objects  # noqa: E402
 from specflow.scheduler import Generation  # noqa: E402
 from specflow.state import RoundStats, StageTimes  # noqa: E402
 from specflow.workload import Request  # noqa: E402
@@ -435,6 +435,7 @@ def bench(args: argparse.Namespace) -> None:
     else:
         check_shared_models(methods)
         runs = prepare_methods(methods, out)
+        set_aside_long_lived_objects()  # the loaded models' objects, out of the collector's walks
         print(f"{len(runs)} methods ready in {time.perf_counter() - started:.0f} s", flush=True)
         run_interleaved(runs)
         records = {name: run.folder.records for name, run in runs.items()}

@@ -17,7 +17,7 @@ from specflow.errors import ConfigError, SpecflowError
 from specflow.graph import build_pipeline, instantiate_checked
 from specflow.results.records import RunMeta, RunSummary
 from specflow.results.run_folder import RunFolder, results_fingerprint
-from specflow.runner import Runner
+from specflow.runner import Runner, set_aside_long_lived_objects
 from specflow.sampling import SamplingParams
 from specflow.settings import RunSettings
 from specflow.workload import Request
@@ -143,6 +143,7 @@ def prepare_run(cfg: DictConfig, out: Path) -> PreparedRun:
 
 def _run(cfg: DictConfig, out: Path) -> RunSummary:
     run = prepare_run(cfg, out)
+    set_aside_long_lived_objects()  # the loaded models' objects, out of the collector's walks
     summary = run.runner.run(run.requests, run.folder, run.meta)  # callbacks.console prints
     print(f"results: {run.folder.path.resolve()}")
     return summary

@@ -56,15 +56,16 @@ WARM_UP = "Count from one to twenty in words, then name the twelve months of the
 DRIFT_WARN = 0.10  # a cached baseline that re-times more than 10 % off is reported
 
 
-
 def set_aside_long_lived_objects() -> None:
     """Collect once, then move every object alive now (the loaded models' readers and
-    tokenizers, compiled kernels, warm-up buffers: about 200 000 for a GGUF 1.5B) out of the
+    tokenizers, compiled kernels: about 200 000 for a GGUF 1.5B) out of the
     garbage collector's reach (``gc.freeze``, as vLLM does after start-up), so the collections
     decoding triggers walk only what decoding allocates.  Unfrozen, a full collection of the
     GGUF 1.5B's process takes about 140 ms and the young ones cost a 1-row pass about 4%
     (2-core EPYC Zen 3).  Objects alive now that die later are still freed by reference
-    counting; only their cycles stay.  Once per process; later calls do nothing."""
+    counting; only their cycles stay.  Once per process; later calls do nothing.  Called by
+    the entry points (``run.py``'s job, the benchmark) once their models are loaded, not by
+    ``Runner`` itself: a process that embeds a runner keeps its collector as it is."""
     if gc.get_freeze_count():
         return
     gc.collect()
@@ -402,7 +403,6 @@ class Runner:
         log.info("decoding: batch_size=%d device=%s kv=%s", s.batch_size, s.device, s.layout().kind)
         if s.warmup:
             self.warmup([method] + ([base] if base is not None else []), todo)
-        set_aside_long_lived_objects()
         if base is not None and self.baseline_cache.directory is not None:
             self._check_drift(base, todo[0])
         on_round = self._round_hook()

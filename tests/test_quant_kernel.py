@@ -91,7 +91,6 @@ def test_parts_stack_and_bias_adds():
     assert torch.equal(quant_linear(x, fused.prefix(10), None), y[:, :10])
 
 
-
 def test_mixed_parts_in_one_call_give_each_parts_own_bits():
     """K-quant and 32-block parts in one call (activations quantized once per block size, the
     parts' outputs shared out over 2 threads) against each part alone on one thread."""
@@ -116,21 +115,27 @@ VECTOR_BUILDS = [b for b in ("avx512", "avx2") if b in kernel.runnable_builds()]
 
 @pytest.mark.skipif(not VECTOR_BUILDS, reason="the CPU lacks AVX2, FMA or F16C")
 @pytest.mark.parametrize("build", VECTOR_BUILDS)
-@pytest.mark.parametrize("rows", [1, 6, 11])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 17])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_each_vector_build_gives_the_portable_builds_bits(ggml_type, rows, build, monkeypatch):
-    """Every build this CPU runs against the portable one (K-quant tiles take rows in groups
-    of up to 8; 32-block rows keep up to 8 rows in registers on AVX-512, 4 on AVX2: 11 rows
-    take groups of 8 + 3 and 4 + 4 + 3), activations quantized by vector or scalar code."""
-    matrix, _ = weights(ggml_type, n=19, seed=5)
+    """Every build this CPU runs against the portable one: K-quant tiles take rows in groups
+    of up to 8 (17 rows: a chunk of 16 as 8 + 8, then 1), 32-block rows keep up to 8 rows in
+    registers on AVX-512, 4 on AVX2; 29 weight rows end in a tile of 13 (both halves, the
+    second partial).  The first row's activations hold exact halves (a block whose largest
+    value is 127: x / dx ties, rounded to even) and a block of values near 1e-38 (1 / dx not
+    finite: all zero), quantized by vector or scalar code."""
+    matrix, _ = weights(ggml_type, n=29, seed=5)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(6))
+    x[0, :256] = (torch.arange(-127.0, 127.0) + 0.5).repeat(2)[:256]  # -126.5 .. 126.5
+    x[0, 0] = 127.0
+    x[0, 256:288] = 1e-38
     results = {}
     for name in (build, "portable"):
         loaded = kernel.load_build(name)
         assert loaded.available, loaded.why
         assert loaded.library.quant_rows_isa() == kernel.BUILD_ISA[name]
         monkeypatch.setattr("specflow.quant.matrix.kernel_status", lambda k=loaded: k)
-        results[name] = (quant_linear(x, matrix, None), matrix.rows_of(torch.arange(19)))
+        results[name] = (quant_linear(x, matrix, None), matrix.rows_of(torch.arange(29)))
     assert torch.equal(results[build][0], results["portable"][0])
     assert torch.equal(results[build][1], results["portable"][1])
     assert torch.equal(results[build][1], dequantize(matrix.parts[0]))

@@ -154,12 +154,12 @@ def test_on_run_end_runs_even_when_writing_the_summary_fails(tiny_target, tmp_pa
     assert ends.ended == 1
     assert [r.request_id for r in RunFolder(tmp_path, resume=True).records] == ["a"]
 
-
-def test_objects_alive_after_warm_up_are_set_aside_from_the_collector_once():
+def test_objects_alive_after_loading_are_set_aside_from_the_collector_once():
     """``set_aside_long_lived_objects``: gc.freeze once per process (a fresh interpreter,
     so this test's own objects stay collectable)."""
     import subprocess
     import sys
+    from pathlib import Path
 
     code = (
         "import gc\n"
@@ -170,6 +170,7 @@ def test_objects_alive_after_warm_up_are_set_aside_from_the_collector_once():
         "aside(); assert gc.get_freeze_count() == n\n"
         "print('ok')\n"
     )
+    root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=root)
     assert done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -227,7 +227,8 @@ inline float quantize_block(const float* xs, int block, int8_t* q, int16_t* bs) 
 #if defined(__AVX2__)
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 vmax = _mm256_setzero_ps();
-  for (int i = 0; i < block; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)));
+  // max_ps(a, b) returns b where a is NaN: a NaN value is skipped, as fmax skips it
+  for (int i = 0; i < block; i += 8) vmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)), vmax);
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
@@ -237,9 +238,11 @@ inline float quantize_block(const float* xs, int block, int8_t* q, int16_t* bs) 
   for (int i = 0; i < block; ++i) amax = std::fmax(amax, std::fabs(xs[i]));
 #endif
   const float d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  // 0 where 1 / d is not finite (d = 0, or a block of values below about 4e-37)
+  const float id = d != 0.0f && std::isfinite(1.0f / d) ? 1.0f / d : 0.0f;
 #if defined(__AVX2__)
-  // round half to even (the default rounding mode, as nearbyint), clamped to [-127, 127]
+  // round half to even (the default rounding mode, as nearbyint), clamped to [-127, 127]; a
+  // NaN (max_ps(NaN, lo) is lo) to -127, as the scalar fmax gives
   const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int i = 0; i < block; i += 32) {
@@ -262,7 +265,7 @@ inline float quantize_block(const float* xs, int block, int8_t* q, int16_t* bs) 
 #else
   for (int i = 0; i < block; ++i) {
     const float v = std::nearbyint(xs[i] * id);
-    q[i] = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+    q[i] = static_cast<int8_t>(std::fmin(std::fmax(v, -127.0f), 127.0f));  // NaN: -127
   }
   for (int j = 0; j < block / 16; ++j) {
     int s = 0;
@@ -814,7 +817,7 @@ void block32_rows(int type, int bytes, const uint8_t* row, long nblocks, const Q
   __m256 acc[MC];
   float off[MC];
   for (int r = 0; r < MC; ++r) {
-    x[r] = block_at(xq, m0 + r, 0);
+    x[r] = block_at(xq, m0 + r, 0);  // 32-blocks lie [M, K]: block b of row m at x[r] + 32 b
     acc[r] = _mm256_setzero_ps();
     off[r] = 0.0f;
   }
@@ -991,7 +994,7 @@ int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* b
   if (parts <= 0 || parts > kMaxParts || M <= 0 || K <= 0) return -1;
   TypeInfo info[kMaxParts];
   long col[kMaxParts], first[kMaxParts + 1], bytes[kMaxParts];
-  double work = 0.0;  // in units of the work that pays a parallel region
+  double work_a_row = 0.0;  // an activation row's work, in units of what pays a thread region
   bool need256 = false, need32 = false;
   first[0] = 0;
   for (int p = 0; p < parts; ++p) {
@@ -1000,8 +1003,7 @@ int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* b
     const bool kq = info[p].k_quant;
     bytes[p] = kq ? K / 256 * tile_layout(types[p]).bytes : K / info[p].block * info[p].bytes;
     first[p + 1] = first[p] + (kq ? (rows[p] + kTileRows - 1) / kTileRows : (rows[p] + kTile - 1) / kTile);
-    const double chunk = static_cast<double>(M < kRowsChunk ? M : kRowsChunk) * rows[p] * K;
-    work += chunk / static_cast<double>(kq ? kParallelWork : kParallelWork32);
+    work_a_row += static_cast<double>(rows[p]) * K / static_cast<double>(kq ? kParallelWork : kParallelWork32);
     (kq ? need256 : need32) = true;
   }
   Q8Rows* const x256 = need256 ? thread_buffers(0) : nullptr;
@@ -1011,7 +1013,7 @@ int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* b
   const long units = first[parts];
   for (int m0 = 0; m0 < M; m0 += kRowsChunk) {
     const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (work >= 1.0)
+#pragma omp parallel for schedule(static) num_threads(threads) if (mc * work_a_row >= 1.0)
     for (long u = 0; u < units; ++u) {
       int p = 0;
       while (u >= first[p + 1]) ++p;
