@@ -24,11 +24,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
-# One math question, a few tokens, no warm-up: each job takes seconds.
+# One math question, a few tokens, no warm-up, no row probe (model.min_rows given): each job
+# takes seconds.
 TINY_RUN = [
     f"model={MODEL}", "workload.categories=[math_reasoning]", "workload.limit=1",
     "workload.max_turns=1", "runner.max_new_tokens=8", "runner.warmup=false",
-    "runner.threads=1", "callbacks=none",
+    "runner.threads=1", "callbacks=none", "model.min_rows=1",
 ]
 
 pytestmark = pytest.mark.slow
