@@ -58,8 +58,8 @@ DRIFT_WARN = 0.10  # a cached baseline that re-times more than 10 % off is repor
 
 def set_aside_long_lived_objects() -> None:
     """Collect once, then move every object alive now (the loaded models' readers and
-    tokenizers, compiled kernels: about 200 000 for a GGUF 1.5B) out of the
-    garbage collector's reach (``gc.freeze``, as vLLM does after start-up), so the collections
+    tokenizers, compiled kernels: about 200 000 for a GGUF 1.5B) out of the garbage
+    collector's reach (``gc.freeze``, as vLLM does after start-up), so the collections
     decoding triggers walk only what decoding allocates.  Unfrozen, a full collection of the
     GGUF 1.5B's process takes about 140 ms and the young ones cost a 1-row pass about 4%
     (2-core EPYC Zen 3).  Objects alive now that die later are still freed by reference
@@ -70,6 +70,7 @@ def set_aside_long_lived_objects() -> None:
         return
     gc.collect()
     gc.freeze()
+
 
 class Tokenizer(Protocol):
     """What the runner needs of a tokenizer (a HF tokenizer satisfies it)."""

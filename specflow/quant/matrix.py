@@ -174,21 +174,19 @@ def quant_linear(x: torch.Tensor, w: QuantMatrix, bias: torch.Tensor | None) -> 
         if err:
             shapes = ", ".join(f"{type_name(p.ggml_type)} [{p.rows}, {p.cols}]" for p in w.parts)
             raise ValueError(f"quant_rows_linear_parts: x {tuple(x.shape)} against {shapes}")
-        if bias is not None:
-            y += bias
-        return y
-    col = 0
-    for part in w.parts:
-        if part.quantized:
-            err = quant_library().quant_rows_linear(part.ggml_type, rows, x.data_ptr(), k,
-                                               part.blocks.data_ptr(), part.rows,
-                                               y.data_ptr() + col * 4, n_total, threads)
-            if err:
-                raise ValueError(f"quant_rows_linear: x {tuple(x.shape)} against "
-                                 f"{type_name(part.ggml_type)} [{part.rows}, {part.cols}]")
-        else:
-            y[:, col : col + part.rows] = F.linear(x, part.blocks)
-        col += part.rows
+    else:  # part by part: a float part (or more parts than one call takes) among them
+        col = 0
+        for part in w.parts:
+            if part.quantized:
+                err = quant_library().quant_rows_linear(part.ggml_type, rows, x.data_ptr(), k,
+                                                        part.blocks.data_ptr(), part.rows,
+                                                        y.data_ptr() + col * 4, n_total, threads)
+                if err:
+                    raise ValueError(f"quant_rows_linear: x {tuple(x.shape)} against "
+                                     f"{type_name(part.ggml_type)} [{part.rows}, {part.cols}]")
+            else:
+                y[:, col : col + part.rows] = F.linear(x, part.blocks)
+            col += part.rows
     if bias is not None:
         y += bias
     return y

@@ -626,7 +626,8 @@ __attribute__((always_inline)) inline __m256i chunk_codes(const uint8_t* t, int 
   return c;
 }
 
-inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
+// 4 bytes at p (four 8-bit values, or two 16-bit sums) in every 32-bit lane.
+inline __m256i bcast4(const void* p) { return _mm256_set1_epi32(load_i32(p)); }
 
 // v as it is, in a register, here: the compiler may not re-associate a sum across it (it would
 // otherwise turn a row's chain of 8 adds into a tree over all 8 products, live at once and
@@ -636,8 +637,9 @@ __attribute__((always_inline)) inline void settle(__m256i& v) { asm("" : "+x"(v)
 // Chunk (j, side) of half h of super-block t into sum[r] (and Q6_K's low[r]) for MC rows
 // whose values of this chunk start at x (row r at x + 256 r).
 template <int MC, bool Q6, int SIDE, int JODD>
-__attribute__((always_inline)) inline void tile_chunk(const uint8_t* t, int j, int h, const int8_t* x, const int16_t* bsum,
-                       long bsum_stride, __m256i* sum, __m256i* low) {
+__attribute__((always_inline)) inline void tile_chunk(const uint8_t* t, int j, int h,
+                                                      const int8_t* x, const int16_t* bsum,
+                                                      long bsum_stride, __m256i* sum, __m256i* low) {
   constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
   const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
@@ -675,8 +677,7 @@ __attribute__((always_inline)) inline void tile_chunk(const uint8_t* t, int j, i
     }
   }
   for (int r = 0; r < MC; ++r) {
-    const __m256i bp = _mm256_set1_epi32(load_i32(bsum + r * bsum_stride + 2 * p));
-    low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(bp, sp));
+    low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(bcast4(bsum + r * bsum_stride + 2 * p), sp));
   }
 }
 
@@ -728,7 +729,7 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
           const __m256 dx = _mm256_set1_ps(xq.dt[dt + r]);
           const int16_t* b32 = xq.bsum32.data() + (m0 + r) * n32 + b * 8;
           __m256i lw = _mm256_setzero_si256();
-          for (int p = 0; p < 4; ++p) lw = _mm256_add_epi32(lw, _mm256_madd_epi16(_mm256_set1_epi32(load_i32(b32 + 2 * p)), mp[p]));
+          for (int p = 0; p < 4; ++p) lw = _mm256_add_epi32(lw, _mm256_madd_epi16(bcast4(b32 + 2 * p), mp[p]));
           acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[h][r]);
           acc[h][r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(lw), _mm256_mul_ps(dmin, dx), acc[h][r]);
         }
