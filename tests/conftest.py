@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("MKL_CBWR", "AUTO")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several workers: one thread each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
@@ -14,10 +16,12 @@ from specflow.models.native import NativeLM  # noqa: E402
 from specflow.models.tiny import tiny_hf_model, tiny_model_info  # noqa: E402
 
 
-def make_pair(arch: str = "llama", seed: int = 0, **kw):
-    """(hf_model, NativeLM) sharing weights."""
+def make_pair(arch: str = "llama", seed: int = 0, packed: bool = False, **kw):
+    """(hf_model, NativeLM) sharing weights.  Unpacked unless ``packed``: oneDNN's packed
+    matmul costs about 60 us a call whatever its size, six times a tiny model's dense one, and
+    the engine's tests run tens of thousands of them; the packed path has tests of its own."""
     hf = tiny_hf_model(arch, seed=seed, **kw)
-    return hf, NativeLM.from_hf(hf, tiny_model_info(hf, f"tiny-{arch}-{seed}"))
+    return hf, NativeLM.from_hf(hf, tiny_model_info(hf, f"tiny-{arch}-{seed}"), packed=packed)
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,8 @@ def medusa_state(hf, heads: int, layers: int, seed: int) -> dict[str, torch.Tens
             sd[f"{j}.{m}.linear.bias"] = 0.1 * torch.randn(h, generator=g)
         base = hf.lm_head.weight.detach() if j == 0 else torch.zeros(v, h)
         sd[f"{j}.{layers}.weight"] = base + 0.3 * torch.randn(v, h, generator=g)
-    return {k: t.half() for k, t in sd.items()}
+    # contiguous: an unpacked target's lm_head may be a strided view
+    return {k: t.half().contiguous() for k, t in sd.items()}
 
 
 def write_medusa(folder: Path, sd: dict[str, torch.Tensor], stated_heads: int, layers: int,

@@ -192,7 +192,8 @@ def test_a_replaced_sequence_keeps_its_common_prefix_and_reindexes_the_rest():
 
 @pytest.fixture(scope="module")
 def target():
-    return make_pair("llama", seed=3, num_layers=6)
+    """Packed: its measured row prices (the probe times packed matmuls) let trees be drafted."""
+    return make_pair("llama", seed=3, num_layers=6, packed=True)
 
 
 def tree_drafter(lm, suffix: bool = True, recycling: bool = True, **kw) -> TokenTreeDrafter:
