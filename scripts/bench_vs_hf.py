@@ -35,8 +35,10 @@ workload.  Records are appended to ``OUT/NAME/requests.jsonl`` as they are produ
 report (``OUT/report.md``, ``OUT/report.json``, printed) has per method: tokens/s, × plain
 (pooled seconds of the reference over the method's on the same requests) and × plain TPOT
 (time per output token after the first), TTFT (median) and TPOT, τ, verify rows per round,
-a round's verify cost in plain steps, and identical outputs (against the reference; the
-llama.cpp methods against ``llamacpp_plain``, whose quantized weights give other tokens);
+a round's verify cost in plain steps, and identical outputs (against the plain decoding of
+the same weights: a pipeline on GGUF blocks against plain decoding of them where the run has
+it, HF's against specflow's plain decoding of the float weights, llama.cpp's against
+``llamacpp_plain``; else against the reference);
 then × plain (τ) per category, and the table of the README's "Which pipeline" for this CPU.
 """
 
@@ -93,9 +95,12 @@ PRESETS: dict[str, tuple[str, list[str]]] = {  # name: (common overrides, method
     # the README's main pipelines on the 1.5B, twelve questions (the 0.5B drafts)
     "full": ("model=qwen2.5-coder-1.5b workload.per_category=2 runner.max_new_tokens=128",
              [*MAIN, *BASELINE_ROWS, "llamacpp_draft=+experiment=pld_sps"]),
-    # the training-free ones on SmolLM2-135M (no draft model exists for it): a few minutes
+    # the training-free ones on SmolLM2-135M (no draft model exists for it), on its float
+    # weights and on its GGUF file as published: a few minutes
     "quick": ("model=smollm2-135m workload.per_category=1 runner.max_new_tokens=64",
-              ["ar=+experiment=ar", "+experiment=default", "+experiment=pld", *BASELINE_ROWS]),
+              ["ar=+experiment=ar", "+experiment=default", "+experiment=pld",
+               "ar_gguf=+experiment=ar model=smollm2-135m-gguf",
+               "default_gguf=+experiment=default model=smollm2-135m-gguf", *BASELINE_ROWS]),
 }
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
@@ -341,10 +346,26 @@ def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def own_plain(m: Method, methods: list[Method]) -> str:
+    """The method whose tokens ``m``'s must equal: ``llamacpp_plain`` for llama.cpp's; for
+    HF's, specflow's first plain decoding of the target's float weights; for a specflow
+    pipeline, the first plain decoding (``method: ar``) of the same model settings (GGUF
+    blocks round otherwise than their float copy); else the reference (the first method)."""
+    if m.name.startswith("llamacpp_"):
+        return "llamacpp_plain"
+    want = (m.cfg.model.name, "float") if m.baseline else (m.cfg.model.name, m.cfg.model)
+    for p in methods:
+        if p.baseline or p.cfg.method != "ar":
+            continue
+        if (p.cfg.model.name, p.cfg.model.weights if m.baseline else p.cfg.model) == want:
+            return p.name
+    return methods[0].name
+
+
 def bench_report(records: dict[str, list[RequestRecord]], methods: list[Method]) -> dict:
     """``specflow.results.paired.paired_report`` (against the first method) with, per method, TTFT
     and TPOT, × plain TPOT, verify rows and plain steps per round, and identical outputs
-    against the method's own reference (``llamacpp_plain`` for llama.cpp's)."""
+    against the method's own plain decoding (``own_plain``)."""
     reference = methods[0].name
     rep = paired_report(records, reference)
     tpot: dict[str, float | None] = {}
@@ -357,7 +378,7 @@ def bench_report(records: dict[str, list[RequestRecord]], methods: list[Method])
         row = rep["methods"].get(m.name)
         if row is None:
             continue
-        same_as = "llamacpp_plain" if m.name.startswith("llamacpp_") else reference
+        same_as = own_plain(m, methods)
         ref = {r.request_id: r for r in records.get(same_as, [])}
         pairs = [(r, ref[r.request_id]) for r in records[m.name] if r.request_id in ref]
         ttfts = [r.metrics.ttft_s for r in records[m.name] if r.metrics.ttft_s is not None]

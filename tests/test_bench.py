@@ -93,6 +93,14 @@ def test_each_default_method_composes_with_its_name_and_overrides(bench, preset:
         assert by_name["default"].cfg.method == "suffix_recycle"  # the default job's pipeline
         assert by_name["pld"].overrides == ["+experiment=pld"]
         assert by_name["default"].cfg.workload.per_category == 1  # common wins over the job's
+        weights = {name: m.cfg.model.weights for name, m in by_name.items()}
+        assert weights["ar"] == weights["default"] == weights["pld"] == "float"
+        assert weights["ar_gguf"] == weights["default_gguf"] == "gguf"  # a method's own wins
+        # each compared with the plain decoding of its own weights
+        own = {name: bench.own_plain(m, composed) for name, m in by_name.items()}
+        assert own == {"ar": "ar", "default": "ar", "pld": "ar", "ar_gguf": "ar_gguf",
+                       "default_gguf": "ar_gguf", "hf_plain": "ar", "hf_lookup": "ar",
+                       "llamacpp_plain": "llamacpp_plain", "llamacpp_lookup": "llamacpp_plain"}
 
 
 def test_unnamed_methods_take_their_config_name(bench) -> None:
@@ -123,13 +131,16 @@ def test_bench_interleaved_is_the_same_program() -> None:
 
 @pytest.mark.slow
 def test_tiny_run_end_to_end(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SmolLM2-135M, one prompt, 8 new tokens: plain decoding, the token trees, HF generate
-    and (where installed) llama.cpp; every record and the report written."""
+    """SmolLM2-135M, one prompt, 8 new tokens: plain decoding, the token trees, HF generate,
+    the same two on the GGUF file and (where installed) llama.cpp; every record and the
+    report written, each method's tokens equal to its own plain decoding's."""
     from specflow.models.prepare import is_prepared
 
     if not is_prepared("smollm2-135m"):
         pytest.skip("smollm2-135m is not prepared (bash scripts/setup.sh)")
-    methods = ["ar=+experiment=ar", "+experiment=default", "hf_plain"]
+    methods = ["ar=+experiment=ar", "+experiment=default", "hf_plain",
+               "ar_gguf=+experiment=ar model=smollm2-135m-gguf",
+               "default_gguf=+experiment=default model=smollm2-135m-gguf"]
     if importlib.util.find_spec("llama_cpp") is not None:
         methods += ["llamacpp_plain", "llamacpp_lookup"]
     argv = ["bench_vs_hf.py", "--preset", "quick", "--out", str(tmp_path), "--common",
@@ -149,6 +160,10 @@ def test_tiny_run_end_to_end(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert rep["methods"]["ar"]["identical"] == [1, 1]
     assert rep["methods"]["default"]["identical"] == [1, 1]
     assert rep["methods"]["hf_plain"]["identical_to"] == "ar"
+    assert rep["methods"]["hf_plain"]["identical"] == [1, 1]
+    # the token trees on the GGUF file against plain decoding of the file (its own rounding)
+    assert rep["methods"]["default_gguf"]["identical_to"] == "ar_gguf"
+    assert rep["methods"]["default_gguf"]["identical"] == [1, 1]
     if "llamacpp_lookup" in rep["methods"]:
         assert rep["methods"]["llamacpp_lookup"]["identical"] == [1, 1]
         assert rep["methods"]["llamacpp_lookup"]["identical_to"] == "llamacpp_plain"
