@@ -25,8 +25,10 @@
 //     L   = sum_g s_g * sum_{e in g} c_e x_e  -  32 * sum_g s_g bsum[g]
 //     acc = fma(float(L), d * dx, acc)
 //
-// and y = acc after the last super-block.  32-blocks (Q4_0, Q4_1, Q5_0, Q8_0) stay as the
-// file lays them (each block decoded once per call and multiplied into every row):
+// and y = acc after the last super-block.  32-blocks (Q4_0, Q4_1, Q5_0, Q8_0), per weight row
+// and activation row (Q4_0, Q4_1 and Q8_0 repacked into tiles of 16 rows as well, their 8
+// lanes below kept for 8 weight rows a vector; Q5_0 as the file lays it, each block decoded
+// once per call and multiplied into every row):
 //
 //     w = d * c + a                      (Q4_0: a = -8d; Q4_1: a = m; Q5_0: a = -16d; Q8_0: c signed, a = 0)
 //     lane[i] = sum_{e = 4i..4i+3} c_e x8_e;   acc[i] = fma(float(lane[i]), d * dx, acc[i])
@@ -42,9 +44,9 @@
 // same bits.
 //
 // Memory: a pass streams the weights once (a 1.5B Q4_K_M file is 1 GiB; a Q4_K tile is 2.8%
-// larger than its rows in the file, a Q6_K tile the same size).
+// larger than its rows in the file, a Q6_K tile and a 32-block tile the same size).
 //
-// Threads: OpenMP over tiles (K-quants) or output rows; loaded into a process that has loaded
+// Threads: OpenMP over tiles or (Q5_0) output rows; loaded into a process that has loaded
 // torch the library binds to torch's libgomp, so it runs on the pool torch's operators use.
 
 #include <array>
@@ -111,16 +113,17 @@ struct TypeInfo {
   int bytes;      // bytes a block
   bool k_quant;   // super-block of 256 with integer sub-scales
   bool is_signed; // codes are signed (Q8_0)
+  bool tiled;     // kept in tiles of 16 rows (quant_repack): the K-quants, Q4_0, Q4_1, Q8_0
 };
 
 bool type_info(int type, TypeInfo* info) {
   switch (type) {
-    case kQ4_0: *info = {32, 18, false, false}; return true;
-    case kQ4_1: *info = {32, 20, false, false}; return true;
-    case kQ5_0: *info = {32, 22, false, false}; return true;
-    case kQ8_0: *info = {32, 34, false, true}; return true;
-    case kQ4_K: *info = {256, 144, true, false}; return true;
-    case kQ6_K: *info = {256, 210, true, false}; return true;
+    case kQ4_0: *info = {32, 18, false, false, true}; return true;
+    case kQ4_1: *info = {32, 20, false, false, true}; return true;
+    case kQ5_0: *info = {32, 22, false, false, false}; return true;
+    case kQ8_0: *info = {32, 34, false, true, true}; return true;
+    case kQ4_K: *info = {256, 144, true, false, true}; return true;
+    case kQ6_K: *info = {256, 210, true, false, true}; return true;
     default: return false;
   }
 }
@@ -355,6 +358,37 @@ constexpr int code_at(int type, int j, int st) {
 }
 constexpr int high_at(int j, int st) { return 288 + (j / 2) * 1536 + st * 64; }
 
+// ---------------------------------------------------------------- 32-block tiles
+// Q4_0, Q4_1 and Q8_0 are kept in tiles of 16 rows as well; a tile's 32-blocks follow one
+// another, each laid out as (r a row of the tile, st a step of 4 code bytes):
+//   d fp16[16] | Q4_1: m fp16[16] | code bytes[st][16 r][4]: the row's code bytes 4st .. 4st+3
+// (Q4_0, Q4_1: 4 steps, byte e holding value e in its low nibble and value e + 16 in its high;
+// Q8_0: 8 steps of signed values): the file's bytes, 16 rows side by side, so one vector holds
+// 4 code bytes of each of 8 rows and its lanes are weight rows, as in the K-quant tiles.
+inline int tile32_codes(int type) { return type == kQ4_1 ? 64 : 32; }
+inline int tile32_steps(int type) { return type == kQ8_0 ? 8 : 4; }
+inline int file32_codes(int type) { return type == kQ4_1 ? 4 : 2; }
+
+// Row r's block as the file lays it (`bytes` bytes) -> its place in a tile block t.
+void pack_tile32_row(int type, const uint8_t* file_block, int r, uint8_t* t) {
+  std::memcpy(t + 2 * r, file_block, 2);
+  if (type == kQ4_1) std::memcpy(t + 32 + 2 * r, file_block + 2, 2);
+  const uint8_t* qs = file_block + file32_codes(type);
+  for (int st = 0; st < tile32_steps(type); ++st) {
+    std::memcpy(t + tile32_codes(type) + st * 64 + 4 * r, qs + 4 * st, 4);
+  }
+}
+
+// The inverse: row r of tile block t -> its block as the file lays it.
+void unpack_tile32_row(int type, const uint8_t* t, int r, uint8_t* file_block) {
+  std::memcpy(file_block, t + 2 * r, 2);
+  if (type == kQ4_1) std::memcpy(file_block + 2, t + 32 + 2 * r, 2);
+  uint8_t* qs = file_block + file32_codes(type);
+  for (int st = 0; st < tile32_steps(type); ++st) {
+    std::memcpy(qs + 4 * st, t + tile32_codes(type) + st * 64 + 4 * r, 4);
+  }
+}
+
 // One super-block of one weight row, in natural order.
 struct RowSuper {
   uint8_t c[256];    // codes
@@ -484,6 +518,10 @@ constexpr int kTileGroup = 8;
 constexpr long kTilePrefetch = 3360;  // how far ahead of the super-block in use a tile is fetched
 
 inline int32_t load_i32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+#if defined(__AVX2__)
+// 4 bytes at p (four 8-bit values, or two 16-bit sums) in every 32-bit lane.
+inline __m256i bcast4(const void* p) { return _mm256_set1_epi32(load_i32(p)); }
+#endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // MC activation rows (m0 ..) times one tile (16 weight rows, nvalid of them real):
@@ -626,8 +664,6 @@ __attribute__((always_inline)) inline __m256i chunk_codes(const uint8_t* t, int 
   return c;
 }
 
-// 4 bytes at p (four 8-bit values, or two 16-bit sums) in every 32-bit lane.
-inline __m256i bcast4(const void* p) { return _mm256_set1_epi32(load_i32(p)); }
 
 // v as it is, in a register, here: the compiler may not re-associate a sum across it (it would
 // otherwise turn a row's chain of 8 adds into a tree over all 8 products, live at once and
@@ -914,6 +950,107 @@ void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_by
 }
 #endif
 
+#if defined(__AVX2__)
+// Rows [m0, m0 + mc) times one 32-block tile (16 weight rows, nvalid of them real), 8 weight
+// rows (half h) a vector: per activation row and half, the 8 lanes' sums of block32_row
+// (lane i: values 4i .. 4i+3) in 8 accumulators whose vector lanes are weight rows, and the
+// offset in a ninth; each weight row's float sequence is block32_row's, finish included.  A
+// tile's bytes are read once per activation row and half (from cache after the first).
+template <int TYPE>
+void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, int mc, float* y,
+                 long ldy, long n0, int nvalid) {
+  constexpr int kBytes = TYPE == kQ4_0 ? 18 : TYPE == kQ4_1 ? 20 : 34;
+  constexpr int kCodes = TYPE == kQ4_1 ? 64 : 32;
+  const long nd = xq.K / 32, n16 = xq.K / 16;
+  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+  const int halves = nvalid > 8 ? 2 : 1;
+  for (int r = 0; r < mc; ++r) {
+    const int m = m0 + r;
+    const int8_t* x = block_at(xq, m, 0);  // 32-blocks lie [M, K]: block b at x + 32 b
+    for (int h = 0; h < halves; ++h) {
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      __m256 off = _mm256_setzero_ps();
+      for (long b = 0; b < nblocks; ++b) {
+        const uint8_t* t = tile + b * (16 * kBytes);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
+        const __m256 dx = _mm256_set1_ps(xq.d[m * nd + b]);
+        const __m256 dd = _mm256_mul_ps(d, dx);
+        const __m256 a = TYPE == kQ4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), d)
+                       : TYPE == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                             reinterpret_cast<const __m128i*>(t + 32 + 16 * h)))
+                                       : _mm256_setzero_ps();
+        const int16_t* bs = xq.bsum.data() + m * n16 + 2 * b;
+        off = _mm256_fmadd_ps(_mm256_mul_ps(a, dx), _mm256_set1_ps(static_cast<float>(bs[0] + bs[1])), off);
+        const int8_t* xb = x + 32 * b;
+        if (TYPE == kQ8_0) {  // |c| as unsigned, x carrying c's sign (block32_rows' products)
+          for (int st = 0; st < 8; ++st) {
+            const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kCodes + st * 64 + 32 * h));
+            const __m256i xs = _mm256_sign_epi8(bcast4(xb + 4 * st), c);
+            const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), xs), ones);
+            acc[st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), dd, acc[st]);
+          }
+        } else {  // step st: lane st from the low nibbles, lane st + 4 from the high ones
+          for (int st = 0; st < 4; ++st) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kCodes + st * 64 + 32 * h));
+            const __m256i lo = _mm256_and_si256(v, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            const __m256i l0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * st)), ones);
+            const __m256i l1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * st)), ones);
+            acc[st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l0), dd, acc[st]);
+            acc[st + 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l1), dd, acc[st + 4]);
+          }
+        }
+      }
+      const __m256 sum = _mm256_add_ps(
+          _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
+          _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
+      alignas(32) float v[8];
+      _mm256_store_ps(v, _mm256_add_ps(sum, off));
+      const int here = nvalid - 8 * h < 8 ? nvalid - 8 * h : 8;
+      float* out = y + m * ldy + n0 + 8 * h;
+      for (int i = 0; i < here; ++i) out[i] = v[i];
+    }
+  }
+}
+#endif
+
+// Tile tt of a tiled 32-block matrix (N rows, tile_bytes a tile) for rows [m0, m0 + mc).
+void tile32_outputs(int type, const TypeInfo& info, const uint8_t* w, long tile_bytes,
+                    const Q8Rows& xq, int m0, int mc, float* y, long ldy, long tt, long N) {
+  const long nblocks = xq.K / 32;
+  const long n0 = tt * kTileRows;
+  const int nvalid = N - n0 < kTileRows ? static_cast<int>(N - n0) : kTileRows;
+  const uint8_t* tile = w + tt * tile_bytes;
+#if defined(__AVX2__)
+  (void)info;
+  switch (type) {
+    case kQ4_0: tile32_rows<kQ4_0>(tile, nblocks, xq, m0, mc, y, ldy, n0, nvalid); break;
+    case kQ4_1: tile32_rows<kQ4_1>(tile, nblocks, xq, m0, mc, y, ldy, n0, nvalid); break;
+    default: tile32_rows<kQ8_0>(tile, nblocks, xq, m0, mc, y, ldy, n0, nvalid); break;
+  }
+#else  // portable: each tile row's block back in the file's layout, decoded once, then every row
+  const long n16 = xq.K / 16;
+  const long block_bytes = 16L * info.bytes;
+  uint8_t file_block[34];
+  Block32 blk;
+  Acc acc[kRowsChunk];
+  for (int i = 0; i < nvalid; ++i) {
+    for (int r = 0; r < mc; ++r) acc[r] = Acc{{0, 0, 0, 0, 0, 0, 0, 0}, 0};
+    for (long b = 0; b < nblocks; ++b) {
+      unpack_tile32_row(type, tile + b * block_bytes, i, file_block);
+      decode_block32(type, file_block, &blk);
+      for (int r = 0; r < mc; ++r) {
+        const int m = m0 + r;
+        block32_row(blk, info.is_signed, block_at(xq, m, b), xq.bsum.data() + m * n16 + b * 2,
+                    xq.d[m * nblocks + b], &acc[r]);
+      }
+    }
+    for (int r = 0; r < mc; ++r) y[(m0 + r) * ldy + n0 + i] = finish(acc[r]);
+  }
+#endif
+}
+
 // The calling thread's activation buffers, reused from call to call (no allocation per
 // product).  Out of line, and passed to the parallel regions as a pointer: a thread_local
 // named inside a region would be each worker's own.
@@ -945,25 +1082,26 @@ long quant_row_bytes(int type, long K) {
   return K / info.block * info.bytes;
 }
 
-// Bytes a tile of 16 rows of K values takes for a K-quant `type` (Q4_K, Q6_K), 0 for a type
-// kept as the file lays it (the 32-blocks), -1 for an unknown type or a bad K.
+// Bytes a tile of 16 rows of K values takes for a tiled `type` (Q4_K, Q6_K, Q4_0, Q4_1, Q8_0),
+// 0 for a type kept as the file lays it (Q5_0), -1 for an unknown type or a bad K.
 long quant_tile_bytes(int type, long K) {
   TypeInfo info;
   if (!type_info(type, &info) || K <= 0 || K % info.block) return -1;
-  return info.k_quant ? K / 256 * tile_layout(type).bytes : 0;
+  if (info.k_quant) return K / 256 * tile_layout(type).bytes;
+  return info.tiled ? K / 32 * kTileRows * info.bytes : 0;
 }
 
-// A K-quant matrix's N rows as the file lays them (`w`, rows of quant_row_bytes) -> its
+// A tiled type's matrix of N rows as the file lays them (`w`, rows of quant_row_bytes) -> its
 // ceil(N / 16) tiles into `out` (quant_tile_bytes each; rows past N zero).  0, or -1.
 int quant_repack(int type, const uint8_t* w, long N, long K, uint8_t* out, int threads) {
   const long tile_bytes = quant_tile_bytes(type, K);
   if (tile_bytes <= 0 || N <= 0) return -1;
   const long row_bytes = quant_row_bytes(type, K);
-  const long nblocks = K / 256;
   const long tiles = (N + kTileRows - 1) / kTileRows;
-  const TileLayout& L = tile_layout(type);
   TypeInfo info;
   type_info(type, &info);
+  const long nblocks = K / info.block;
+  const long block_bytes = info.k_quant ? tile_layout(type).bytes : kTileRows * info.bytes;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (long tt = 0; tt < tiles; ++tt) {
     uint8_t* tile = out + tt * tile_bytes;
@@ -972,8 +1110,12 @@ int quant_repack(int type, const uint8_t* w, long N, long K, uint8_t* out, int t
     for (int r = 0; r < kTileRows && tt * kTileRows + r < N; ++r) {
       const uint8_t* row = w + (tt * kTileRows + r) * row_bytes;
       for (long b = 0; b < nblocks; ++b) {
-        unpack_file_block(type, row + b * info.bytes, &s);
-        pack_tile_row(type, s, r, tile + b * L.bytes);
+        if (info.k_quant) {
+          unpack_file_block(type, row + b * info.bytes, &s);
+          pack_tile_row(type, s, r, tile + b * block_bytes);
+        } else {
+          pack_tile32_row(type, row + b * info.bytes, r, tile + b * block_bytes);
+        }
       }
     }
   }
@@ -1002,8 +1144,9 @@ int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* b
     if (!type_info(types[p], &info[p]) || K % info[p].block || rows[p] <= 0) return -1;
     col[p] = p ? col[p - 1] + rows[p - 1] : 0;
     const bool kq = info[p].k_quant;
-    bytes[p] = kq ? K / 256 * tile_layout(types[p]).bytes : K / info[p].block * info[p].bytes;
-    first[p + 1] = first[p] + (kq ? (rows[p] + kTileRows - 1) / kTileRows : (rows[p] + kTile - 1) / kTile);
+    bytes[p] = info[p].tiled ? quant_tile_bytes(types[p], K) : K / info[p].block * info[p].bytes;
+    first[p + 1] = first[p] + (info[p].tiled ? (rows[p] + kTileRows - 1) / kTileRows
+                                             : (rows[p] + kTile - 1) / kTile);
     work_a_row += static_cast<double>(rows[p]) * K / static_cast<double>(kq ? kParallelWork : kParallelWork32);
     (kq ? need256 : need32) = true;
   }
@@ -1021,6 +1164,9 @@ int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* b
       const long local = u - first[p];
       if (info[p].k_quant) {
         tile_outputs(types[p], blocks[p], bytes[p], *x256, m0, mc, y + col[p], ldy, local, rows[p]);
+      } else if (info[p].tiled) {
+        tile32_outputs(types[p], info[p], blocks[p], bytes[p], *x32, m0, mc, y + col[p], ldy,
+                       local, rows[p]);
       } else {
         const long n0 = local * kTile;
         const long n1 = n0 + kTile < rows[p] ? n0 + kTile : rows[p];
@@ -1062,10 +1208,19 @@ int quant_dequantize_rows(int type, const uint8_t* w, long K, const long* ids, l
       }
       continue;
     }
-    const uint8_t* row = w + ids[r] * row_bytes;
+    // a tiled 32-block type's row: each block back in the file's layout first
+    const long tile_bytes = K / 32 * kTileRows * info.bytes;
+    const uint8_t* row = info.tiled ? w + ids[r] / kTileRows * tile_bytes : w + ids[r] * row_bytes;
+    uint8_t file_block[34];
     for (long b = 0; b < K / info.block; ++b) {
       Block32 blk;
-      decode_block32(type, row + b * info.bytes, &blk);
+      const uint8_t* src = row + b * info.bytes;
+      if (info.tiled) {
+        unpack_tile32_row(type, row + b * kTileRows * info.bytes,
+                          static_cast<int>(ids[r] % kTileRows), file_block);
+        src = file_block;
+      }
+      decode_block32(type, src, &blk);
       for (int e = 0; e < 32; ++e) {
         const float c = info.is_signed ? static_cast<int8_t>(blk.c[e]) : blk.c[e];
         o[b * 32 + e] = blk.d * c + blk.a;
