@@ -51,16 +51,13 @@ def test_blocks_decode_as_ggml_decodes_them(ggml_type):
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_tiles_hold_the_files_bytes_sixteen_rows_side_by_side(ggml_type):
-    """29 rows: two tiles of 16 rows (the last 3 zero) for every type but Q5_0, which stays
-    as the file lays it; a 32-block tile is exactly its 16 rows' bytes."""
+    """29 rows: two tiles of 16 rows (the last 3 zero); a 32-block tile is exactly its 16
+    rows' bytes."""
     matrix, blocks = weights(ggml_type, n=29)
     (part,) = matrix.parts
     row_bytes = blocks.shape[1]
-    if ggml_type == T.Q5_0:
-        assert not part.tiled and tuple(part.blocks.shape) == (29, row_bytes)
-        return
-    assert part.tiled and part.blocks.shape[0] == 2
-    if ggml_type in (T.Q4_0, T.Q4_1, T.Q8_0):
+    assert part.blocks.shape[0] == 2
+    if ggml_type in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0):
         assert part.blocks.shape[1] == 16 * row_bytes
         assert sorted(part.blocks[0].tolist()) == sorted(blocks[:16].reshape(-1).tolist())
 
@@ -135,8 +132,7 @@ VECTOR_BUILDS = [b for b in ("avx512", "avx2") if b in kernel.runnable_builds()]
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_each_vector_build_gives_the_portable_builds_bits(ggml_type, rows, build, monkeypatch):
     """Every build this CPU runs against the portable one: K-quant tiles take rows in groups
-    of up to 8 (17 rows: a chunk of 16 as 8 + 8, then 1), Q5_0 rows keep up to 8 rows in
-    registers on AVX-512, 4 on AVX2, the 32-block tiles (Q4_0, Q4_1, Q8_0) one row at a time
+    of up to 8 (17 rows: a chunk of 16 as 8 + 8, then 1), 32-block tiles one row at a time
     in 8 lane accumulators; 29 weight rows end in a tile of 13 (both halves, the second
     partial).  The first row's activations hold exact halves (a block whose largest
     value is 127: x / dx ties, rounded to even) and a block of values near 1e-38 (1 / dx not

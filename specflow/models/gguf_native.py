@@ -1,12 +1,11 @@
 """A ``NativeLM`` over a GGUF file's quantized weights as published (``model.weights=gguf``).
 
 Every matrix stays in the file's own blocks (Q4_K, Q6_K, Q5_0, Q8_0, Q4_1, ...) and is
-multiplied by the quantized rows kernel (``specflow.quant``): the 32-block types memory-mapped
-as they lie, the K-quants repacked once into the kernel's tiles of 16 rows (the same bytes, or
-2.8% more for Q4_K; the file's pages of those are then released); norms and biases are the
-file's float32 vectors; the embedding decodes the rows it looks up.  No float copy of a
-matrix is made, so the model takes about the file's size in memory (q/k of a Llama file are
-re-ordered, below, which copies those two).
+multiplied by the quantized rows kernel (``specflow.quant``): repacked once into the kernel's
+tiles of 16 rows (the same bytes, or 2.8% more for Q4_K; the file's pages are then
+released); norms and biases are the file's float32 vectors; the embedding decodes the rows
+it looks up.  No float copy of a matrix is made, so the model takes about the file's size in
+memory (q/k of a Llama file are re-ordered, below, which copies those two).
 
 GGUF names -> the layer's parts (Llama and Qwen2 files, as llama.cpp's converter writes them):
 
@@ -64,7 +63,7 @@ class GGUFTensors:
         if row_order is not None:
             data = data[row_order]
         part = part_from_numpy(int(t.tensor_type), data, cols)
-        if part.tiled:
+        if part.quantized:
             release_pages(np.asarray(t.data))
         return part
 

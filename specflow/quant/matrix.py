@@ -2,11 +2,9 @@
 
 A ``QuantMatrix`` stands for ``W [N, K]`` stacked from parts (a fused q/k/v or gate/up is its
 parts, each in its own block type: a Q4_K_M file mixes Q4_K and Q6_K within one layer).  Each
-``QuantPart`` holds its rows' blocks: repacked once into tiles of 16 rows (``uint8 [ceil(n /
-16), tile_bytes]``: the same values, laid out for the kernel's products) for Q4_K, Q6_K, Q4_0,
-Q4_1 and Q8_0; Q5_0's as they lie in the file (``uint8 [n, row_bytes]``, no copy where the file
-is memory-mapped); or, for a float tensor (F32/F16/BF16), a float32 ``[n, K]`` multiplied by
-``F.linear``.
+``QuantPart`` holds its rows' blocks, repacked once into tiles of 16 rows (``uint8 [ceil(n /
+16), tile_bytes]``: the same bytes, laid out for the kernel's products), or, for a float
+tensor (F32/F16/BF16), a float32 ``[n, K]`` multiplied by ``F.linear``.
 
 ``quant_linear(x, W, b)`` is ``x @ W.T + b`` with every quantized part multiplied by the
 quantized rows kernel (``specflow.quant.kernel``): activations quantized to 8 bits per block
@@ -29,8 +27,7 @@ from specflow.quant.kernel import kernel_status
 # ggml type id -> (name, values a block, bytes a block) for the types the kernel multiplies
 KERNEL_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
                 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
-TILED_TYPES = {2, 3, 8, 12, 14}  # kept in tiles of TILE_ROWS rows (quant_repack)
-TILE_ROWS = 16
+TILE_ROWS = 16  # rows a tile of a quantized part holds (quant_repack)
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 CALL_PARTS = 8  # parts quant_rows_linear_parts multiplies in one call
 
@@ -53,8 +50,8 @@ def type_name(ggml_type: int) -> str:
 @dataclass(frozen=True)
 class QuantPart:
     """``rows`` rows of one GGUF tensor standing for ``[rows, cols]`` values: ``blocks`` of
-    ``ggml_type`` as ``uint8 [ceil(rows / 16), tile_bytes]`` tiles (``TILED_TYPES``) or ``uint8
-    [rows, row_bytes]`` (Q5_0), or (a float type) a float32 ``[rows, cols]``."""
+    ``ggml_type`` as ``uint8 [ceil(rows / 16), tile_bytes]`` tiles, or (a float type) a
+    float32 ``[rows, cols]``."""
 
     ggml_type: int
     blocks: torch.Tensor
@@ -69,14 +66,10 @@ class QuantPart:
     def nbytes(self) -> int:
         return self.blocks.numel() * self.blocks.element_size()
 
-    @property
-    def tiled(self) -> bool:
-        return self.ggml_type in TILED_TYPES
-
     def prefix(self, rows: int) -> QuantPart:
-        """Its first ``rows`` rows (a view; a tiled type's last tile partly used): each output row
-        is its own sum."""
-        kept = -(-rows // TILE_ROWS) if self.tiled else rows
+        """Its first ``rows`` rows (a view; a quantized part's last tile partly used): each output
+        row is its own sum."""
+        kept = -(-rows // TILE_ROWS) if self.quantized else rows
         return QuantPart(self.ggml_type, self.blocks[:kept], self.cols, rows)
 
 
@@ -202,7 +195,7 @@ def dequantize(part: QuantPart) -> torch.Tensor:
 
 def part_from_numpy(ggml_type: int, data: np.ndarray, cols: int) -> QuantPart:
     """A part over a GGUF tensor's data as the reader gives it (``uint8 [n, row_bytes]`` for a
-    quantized type: Q5_0's kept as it is, no copy; the other types' repacked into tiles);
+    quantized type, repacked into tiles);
     a float type becomes float32 ``[n, cols]``."""
     if ggml_type in FLOAT_TYPES:
         values = torch.from_numpy(np.asarray(data)).reshape(-1, cols)
@@ -212,8 +205,6 @@ def part_from_numpy(ggml_type: int, data: np.ndarray, cols: int) -> QuantPart:
         blocks = torch.from_numpy(np.ascontiguousarray(data)).view(torch.uint8)
     rows = data.shape[0]
     blocks = blocks.reshape(rows, -1)
-    if ggml_type not in TILED_TYPES:
-        return QuantPart(ggml_type, blocks, cols, rows)
     lib = quant_library()
     tile_bytes = lib.quant_tile_bytes(ggml_type, cols)
     tiles = torch.empty(-(-rows // TILE_ROWS), tile_bytes, dtype=torch.uint8)

@@ -25,10 +25,9 @@
 //     L   = sum_g s_g * sum_{e in g} c_e x_e  -  32 * sum_g s_g bsum[g]
 //     acc = fma(float(L), d * dx, acc)
 //
-// and y = acc after the last super-block.  32-blocks (Q4_0, Q4_1, Q5_0, Q8_0), per weight row
-// and activation row (Q4_0, Q4_1 and Q8_0 repacked into tiles of 16 rows as well, their 8
-// lanes below kept for 8 weight rows a vector; Q5_0 as the file lays it, each block decoded
-// once per call and multiplied into every row):
+// and y = acc after the last super-block.  32-blocks (Q4_0, Q4_1, Q5_0, Q8_0), repacked into
+// tiles of 16 rows as well (the 8 lanes below kept for 8 weight rows a vector), per weight row
+// and activation row:
 //
 //     w = d * c + a                      (Q4_0: a = -8d; Q4_1: a = m; Q5_0: a = -16d; Q8_0: c signed, a = 0)
 //     lane[i] = sum_{e = 4i..4i+3} c_e x8_e;   acc[i] = fma(float(lane[i]), d * dx, acc[i])
@@ -46,7 +45,7 @@
 // Memory: a pass streams the weights once (a 1.5B Q4_K_M file is 1 GiB; a Q4_K tile is 2.8%
 // larger than its rows in the file, a Q6_K tile and a 32-block tile the same size).
 //
-// Threads: OpenMP over tiles or (Q5_0) output rows; loaded into a process that has loaded
+// Threads: OpenMP over tiles; loaded into a process that has loaded
 // torch the library binds to torch's libgomp, so it runs on the pool torch's operators use.
 
 #include <array>
@@ -69,7 +68,6 @@ enum GgmlType : int {
 };
 
 constexpr int kRowsChunk = 16;  // rows a pass over the weights takes at most
-constexpr long kPrefetchBytes = 2048;  // how far ahead of the block in use its row's bytes are fetched (32-blocks)
 // Values a call multiplies (or quantizes) below which it runs on one thread: a parallel
 // region costs more than a small matrix's product, and far more where other processes hold
 // the cores (a thread the barrier waits for is not running).
@@ -113,17 +111,16 @@ struct TypeInfo {
   int bytes;      // bytes a block
   bool k_quant;   // super-block of 256 with integer sub-scales
   bool is_signed; // codes are signed (Q8_0)
-  bool tiled;     // kept in tiles of 16 rows (quant_repack): the K-quants, Q4_0, Q4_1, Q8_0
 };
 
 bool type_info(int type, TypeInfo* info) {
   switch (type) {
-    case kQ4_0: *info = {32, 18, false, false, true}; return true;
-    case kQ4_1: *info = {32, 20, false, false, true}; return true;
-    case kQ5_0: *info = {32, 22, false, false, false}; return true;
-    case kQ8_0: *info = {32, 34, false, true, true}; return true;
-    case kQ4_K: *info = {256, 144, true, false, true}; return true;
-    case kQ6_K: *info = {256, 210, true, false, true}; return true;
+    case kQ4_0: *info = {32, 18, false, false}; return true;
+    case kQ4_1: *info = {32, 20, false, false}; return true;
+    case kQ5_0: *info = {32, 22, false, false}; return true;
+    case kQ8_0: *info = {32, 34, false, true}; return true;
+    case kQ4_K: *info = {256, 144, true, false}; return true;
+    case kQ6_K: *info = {256, 210, true, false}; return true;
     default: return false;
   }
 }
@@ -359,20 +356,23 @@ constexpr int code_at(int type, int j, int st) {
 constexpr int high_at(int j, int st) { return 288 + (j / 2) * 1536 + st * 64; }
 
 // ---------------------------------------------------------------- 32-block tiles
-// Q4_0, Q4_1 and Q8_0 are kept in tiles of 16 rows as well; a tile's 32-blocks follow one
+// The 32-block types are kept in tiles of 16 rows as well; a tile's 32-blocks follow one
 // another, each laid out as (r a row of the tile, st a step of 4 code bytes):
-//   d fp16[16] | Q4_1: m fp16[16] | code bytes[st][16 r][4]: the row's code bytes 4st .. 4st+3
-// (Q4_0, Q4_1: 4 steps, byte e holding value e in its low nibble and value e + 16 in its high;
-// Q8_0: 8 steps of signed values): the file's bytes, 16 rows side by side, so one vector holds
-// 4 code bytes of each of 8 rows and its lanes are weight rows, as in the K-quant tiles.
-inline int tile32_codes(int type) { return type == kQ4_1 ? 64 : 32; }
+//   d fp16[16] | Q4_1: m fp16[16] | Q5_0: fifth bits u32[16 r]
+//   | code bytes[st][16 r][4]: the row's code bytes 4st .. 4st+3
+// (Q4_0, Q4_1, Q5_0: 4 steps, byte e holding value e in its low nibble and value e + 16 in its
+// high; Q8_0: 8 steps of signed values): the file's bytes, 16 rows side by side, so one vector
+// holds 4 code bytes (or the fifth bits) of each of 8 rows and its lanes are weight rows, as in
+// the K-quant tiles.
+inline int tile32_codes(int type) { return type == kQ4_1 ? 64 : type == kQ5_0 ? 96 : 32; }
 inline int tile32_steps(int type) { return type == kQ8_0 ? 8 : 4; }
-inline int file32_codes(int type) { return type == kQ4_1 ? 4 : 2; }
+inline int file32_codes(int type) { return type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : 2; }
 
 // Row r's block as the file lays it (`bytes` bytes) -> its place in a tile block t.
 void pack_tile32_row(int type, const uint8_t* file_block, int r, uint8_t* t) {
   std::memcpy(t + 2 * r, file_block, 2);
   if (type == kQ4_1) std::memcpy(t + 32 + 2 * r, file_block + 2, 2);
+  if (type == kQ5_0) std::memcpy(t + 32 + 4 * r, file_block + 2, 4);
   const uint8_t* qs = file_block + file32_codes(type);
   for (int st = 0; st < tile32_steps(type); ++st) {
     std::memcpy(t + tile32_codes(type) + st * 64 + 4 * r, qs + 4 * st, 4);
@@ -383,6 +383,7 @@ void pack_tile32_row(int type, const uint8_t* file_block, int r, uint8_t* t) {
 void unpack_tile32_row(int type, const uint8_t* t, int r, uint8_t* file_block) {
   std::memcpy(file_block, t + 2 * r, 2);
   if (type == kQ4_1) std::memcpy(file_block + 2, t + 32 + 2 * r, 2);
+  if (type == kQ5_0) std::memcpy(file_block + 2, t + 32 + 4 * r, 4);
   uint8_t* qs = file_block + file32_codes(type);
   for (int st = 0; st < tile32_steps(type); ++st) {
     std::memcpy(qs + 4 * st, t + tile32_codes(type) + st * 64 + 4 * r, 4);
@@ -834,123 +835,6 @@ void tile_outputs(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq,
 }
 
 #if defined(__AVX2__)
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int kRegisterRows = 8;  // rows a 32-block group keeps in registers (32 vector registers)
-#else
-constexpr int kRegisterRows = 4;  // rows a 32-block group keeps in registers (16 vector registers)
-#endif
-// ---------------------------------------------------------------- 32-block rows in registers
-// The same sums as decode_block32 + block32_row, with the codes in a register and a group of
-// MC rows' accumulators (lanes and offset) kept in registers over a whole output row: each
-// row's float sequence over the blocks is block32_row's.
-template <int MC>
-void block32_rows(int type, int bytes, const uint8_t* row, long nblocks, const Q8Rows& xq, int m0,
-                  float* out) {
-  const long K = xq.K;
-  const long n16 = K / 16;
-  const long nd = K / 32;
-  const bool is_signed = type == kQ8_0;
-  const int8_t* x[MC];
-  __m256 acc[MC];
-  float off[MC];
-  for (int r = 0; r < MC; ++r) {
-    x[r] = block_at(xq, m0 + r, 0);  // 32-blocks lie [M, K]: block b of row m at x[r] + 32 b
-    acc[r] = _mm256_setzero_ps();
-    off[r] = 0.0f;
-  }
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (long b = 0; b < nblocks; ++b) {
-    const uint8_t* src = row + b * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
-    const float d = fp16_to_f32(load_u16(src));
-    float a;
-    __m256i cv;
-    switch (type) {
-      case kQ4_0: a = -8.0f * d; cv = nibbles32(src + 2); break;
-      case kQ4_1: a = fp16_to_f32(load_u16(src + 2)); cv = nibbles32(src + 4); break;
-      case kQ5_0:
-        a = -16.0f * d;
-        cv = _mm256_or_si256(nibbles32(src + 6), fifth_bits32(src + 2));
-        break;
-      default: a = 0.0f; cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2)); break;
-    }
-    // signed codes (Q8_0): |c| as unsigned, x carrying c's sign -- the same products
-    const __m256i cu = is_signed ? _mm256_sign_epi8(cv, cv) : cv;
-    for (int r = 0; r < MC; ++r) {
-      const int m = m0 + r;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + b * 32));
-      const __m256i xs = is_signed ? _mm256_sign_epi8(xv, cv) : xv;
-      const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(cu, xs), ones);
-      const float dx = xq.d[m * nd + b];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc[r]);
-      const int16_t* bs = xq.bsum.data() + m * n16 + 2 * b;
-      off[r] = std::fma(a * dx, static_cast<float>(bs[0] + bs[1]), off[r]);
-    }
-  }
-  for (int r = 0; r < MC; ++r) {
-    Acc res;
-    _mm256_storeu_ps(res.lane, acc[r]);
-    res.off = off[r];
-    out[r] = finish(res);
-  }
-}
-
-
-// block32_rows<MC> by MC - 1.
-using Block32RowsFn = void (*)(int, int, const uint8_t*, long, const Q8Rows&, int, float*);
-template <int... I>
-constexpr std::array<Block32RowsFn, sizeof...(I)> block32_rows_table(std::integer_sequence<int, I...>) {
-  return {{&block32_rows<I + 1>...}};
-}
-constexpr std::array<Block32RowsFn, kRegisterRows> kBlock32RowsFns =
-    block32_rows_table(std::make_integer_sequence<int, kRegisterRows>());
-
-// Output rows [n0, n1) of a 32-block matrix for rows [m0, m0 + mc), in groups of
-// <= kRegisterRows rows, each group's accumulators in registers.
-void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes,
-                   const Q8Rows& xq, int m0, int mc, float* y, long ldy, long n0, long n1) {
-  const long nblocks = xq.K / 32;
-  float out[kRegisterRows];
-  for (long n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    for (int g = 0; g < mc; g += kRegisterRows) {
-      const int rows = mc - g < kRegisterRows ? mc - g : kRegisterRows;
-      kBlock32RowsFns[rows - 1](type, info.bytes, row, nblocks, xq, m0 + g, out);
-      for (int r = 0; r < rows; ++r) y[(m0 + g + r) * ldy + n] = out[r];
-    }
-  }
-}
-#else
-// Output rows [n0, n1) of a 32-block matrix for rows [m0, m0 + mc): each block decoded once,
-// then multiplied into every row.
-void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_bytes,
-                   const Q8Rows& xq, int m0, int mc, float* y, long ldy, long n0, long n1) {
-  const long K = xq.K;
-  const long nblocks = K / 32;
-  const long n16 = K / 16;
-  Acc acc[kRowsChunk];
-  Block32 blk;
-  for (long n = n0; n < n1; ++n) {
-    for (int r = 0; r < mc; ++r) acc[r] = Acc{{0, 0, 0, 0, 0, 0, 0, 0}, 0};
-    const uint8_t* row = w + n * row_bytes;
-    for (long b = 0; b < nblocks; ++b) {
-      const uint8_t* src = row + b * info.bytes;
-#if defined(__SSE__)
-      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
-#endif
-      decode_block32(type, src, &blk);
-      for (int r = 0; r < mc; ++r) {
-        const int m = m0 + r;
-        block32_row(blk, info.is_signed, block_at(xq, m, b),
-                    xq.bsum.data() + m * n16 + b * 2, xq.d[m * nblocks + b], &acc[r]);
-      }
-    }
-    for (int r = 0; r < mc; ++r) y[(m0 + r) * ldy + n] = finish(acc[r]);
-  }
-}
-#endif
-
-#if defined(__AVX2__)
 // Rows [m0, m0 + mc) times one 32-block tile (16 weight rows, nvalid of them real), 8 weight
 // rows (half h) a vector: per activation row and half, the 8 lanes' sums of block32_row
 // (lane i: values 4i .. 4i+3) in 8 accumulators whose vector lanes are weight rows, and the
@@ -959,8 +843,12 @@ void block32_range(int type, const TypeInfo& info, const uint8_t* w, long row_by
 template <int TYPE>
 void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, int mc, float* y,
                  long ldy, long n0, int nvalid) {
-  constexpr int kBytes = TYPE == kQ4_0 ? 18 : TYPE == kQ4_1 ? 20 : 34;
-  constexpr int kCodes = TYPE == kQ4_1 ? 64 : 32;
+  constexpr int kBytes = TYPE == kQ4_0 ? 18 : TYPE == kQ4_1 ? 20 : TYPE == kQ5_0 ? 22 : 34;
+  constexpr int kCodes = TYPE == kQ4_1 ? 64 : TYPE == kQ5_0 ? 96 : 32;
+  // Q5_0: byte e of a row's 4 takes bit e of the byte broadcast to them, as 0x10
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m256i bit = _mm256_set1_epi32(0x08040201), fifth = _mm256_set1_epi8(0x10);
   const long nd = xq.K / 32, n16 = xq.K / 16;
   const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
   const int halves = nvalid > 8 ? 2 : 1;
@@ -977,6 +865,7 @@ void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, in
         const __m256 dx = _mm256_set1_ps(xq.d[m * nd + b]);
         const __m256 dd = _mm256_mul_ps(d, dx);
         const __m256 a = TYPE == kQ4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), d)
+                       : TYPE == kQ5_0 ? _mm256_mul_ps(_mm256_set1_ps(-16.0f), d)
                        : TYPE == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
                                              reinterpret_cast<const __m128i*>(t + 32 + 16 * h)))
                                        : _mm256_setzero_ps();
@@ -991,10 +880,20 @@ void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, in
             acc[st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), dd, acc[st]);
           }
         } else {  // step st: lane st from the low nibbles, lane st + 4 from the high ones
+          __m256i qh = _mm256_setzero_si256();
+          if (TYPE == kQ5_0) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 32 * h));
           for (int st = 0; st < 4; ++st) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kCodes + st * 64 + 32 * h));
-            const __m256i lo = _mm256_and_si256(v, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            __m256i lo = _mm256_and_si256(v, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (TYPE == kQ5_0) {  // values 4st + e and 16 + 4st + e: bits 4st + e, 16 + 4st + e
+              const __m256i bl = _mm256_and_si256(
+                  _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 4 * st), spread), bit);
+              const __m256i bh = _mm256_and_si256(
+                  _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 16 + 4 * st), spread), bit);
+              lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(bl, bit), fifth));
+              hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(bh, bit), fifth));
+            }
             const __m256i l0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * st)), ones);
             const __m256i l1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * st)), ones);
             acc[st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l0), dd, acc[st]);
@@ -1027,6 +926,7 @@ void tile32_outputs(int type, const TypeInfo& info, const uint8_t* w, long tile_
   switch (type) {
     case kQ4_0: tile32_rows<kQ4_0>(tile, nblocks, xq, m0, mc, y, ldy, n0, nvalid); break;
     case kQ4_1: tile32_rows<kQ4_1>(tile, nblocks, xq, m0, mc, y, ldy, n0, nvalid); break;
+    case kQ5_0: tile32_rows<kQ5_0>(tile, nblocks, xq, m0, mc, y, ldy, n0, nvalid); break;
     default: tile32_rows<kQ8_0>(tile, nblocks, xq, m0, mc, y, ldy, n0, nvalid); break;
   }
 #else  // portable: each tile row's block back in the file's layout, decoded once, then every row
@@ -1082,13 +982,13 @@ long quant_row_bytes(int type, long K) {
   return K / info.block * info.bytes;
 }
 
-// Bytes a tile of 16 rows of K values takes for a tiled `type` (Q4_K, Q6_K, Q4_0, Q4_1, Q8_0),
-// 0 for a type kept as the file lays it (Q5_0), -1 for an unknown type or a bad K.
+// Bytes a tile of 16 rows of K values takes for `type` (every type here is tiled), -1 for an
+// unknown type or a bad K.
 long quant_tile_bytes(int type, long K) {
   TypeInfo info;
   if (!type_info(type, &info) || K <= 0 || K % info.block) return -1;
   if (info.k_quant) return K / 256 * tile_layout(type).bytes;
-  return info.tiled ? K / 32 * kTileRows * info.bytes : 0;
+  return K / 32 * kTileRows * info.bytes;
 }
 
 // A tiled type's matrix of N rows as the file lays them (`w`, rows of quant_row_bytes) -> its
@@ -1124,16 +1024,14 @@ int quant_repack(int type, const uint8_t* w, long N, long K, uint8_t* out, int t
 
 // y[m, col_p + n] = sum_k x[m, k] W_p[n, k] for m < M and each part p's rows n < rows[p]
 // (col_p = the rows of the parts before p): a matrix stacked from parts (a fused q/k/v or
-// gate/up), x [M, K] float32 row-major, y with row stride ldy; part p in types[p]: a K-quant's
-// tiles (quant_repack), a 32-block type's rows as the file lays them.  The activations are
-// quantized once per block size, and all the parts' outputs are shared out over the threads in
-// one parallel region (a K-quant's tile of 16 rows or 8 rows of a 32-block type a unit).
+// gate/up), x [M, K] float32 row-major, y with row stride ldy; part p in types[p], as its
+// tiles (quant_repack).  The activations are quantized once per block size, and all the parts'
+// outputs are shared out over the threads in one parallel region (a tile of 16 rows a unit).
 // Returns 0, or -1 for a bad type or shape.
 int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* blocks,
                             const long* rows, int M, const float* x, long K, float* y, long ldy,
                             int threads) {
   constexpr int kMaxParts = 8;
-  constexpr long kTile = 8;  // outputs of a 32-block type a unit
   if (parts <= 0 || parts > kMaxParts || M <= 0 || K <= 0) return -1;
   TypeInfo info[kMaxParts];
   long col[kMaxParts], first[kMaxParts + 1], bytes[kMaxParts];
@@ -1144,9 +1042,8 @@ int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* b
     if (!type_info(types[p], &info[p]) || K % info[p].block || rows[p] <= 0) return -1;
     col[p] = p ? col[p - 1] + rows[p - 1] : 0;
     const bool kq = info[p].k_quant;
-    bytes[p] = info[p].tiled ? quant_tile_bytes(types[p], K) : K / info[p].block * info[p].bytes;
-    first[p + 1] = first[p] + (info[p].tiled ? (rows[p] + kTileRows - 1) / kTileRows
-                                             : (rows[p] + kTile - 1) / kTile);
+    bytes[p] = quant_tile_bytes(types[p], K);
+    first[p + 1] = first[p] + (rows[p] + kTileRows - 1) / kTileRows;
     work_a_row += static_cast<double>(rows[p]) * K / static_cast<double>(kq ? kParallelWork : kParallelWork32);
     (kq ? need256 : need32) = true;
   }
@@ -1164,13 +1061,9 @@ int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* b
       const long local = u - first[p];
       if (info[p].k_quant) {
         tile_outputs(types[p], blocks[p], bytes[p], *x256, m0, mc, y + col[p], ldy, local, rows[p]);
-      } else if (info[p].tiled) {
+      } else {
         tile32_outputs(types[p], info[p], blocks[p], bytes[p], *x32, m0, mc, y + col[p], ldy,
                        local, rows[p]);
-      } else {
-        const long n0 = local * kTile;
-        const long n1 = n0 + kTile < rows[p] ? n0 + kTile : rows[p];
-        block32_range(types[p], info[p], blocks[p], bytes[p], *x32, m0, mc, y + col[p], ldy, n0, n1);
       }
     }
   }
@@ -1184,12 +1077,11 @@ int quant_rows_linear(int type, int M, const float* x, long K, const uint8_t* w,
 }
 
 // out[r, :] = the float32 values of rows ids[r] of W (an embedding lookup), R rows; W as
-// quant_rows_linear takes it (a K-quant's tiles).
+// quant_rows_linear takes it (its tiles).
 int quant_dequantize_rows(int type, const uint8_t* w, long K, const long* ids, long R,
                           float* out) {
   TypeInfo info;
   if (!type_info(type, &info) || K <= 0 || K % info.block) return -1;
-  const long row_bytes = K / info.block * info.bytes;
   for (long r = 0; r < R; ++r) {
     float* o = out + r * K;
     if (info.k_quant) {  // as ggml dequantizes: Q4_K (d s) c - dmin m, Q6_K (d s) (c - 32)
@@ -1208,19 +1100,14 @@ int quant_dequantize_rows(int type, const uint8_t* w, long K, const long* ids, l
       }
       continue;
     }
-    // a tiled 32-block type's row: each block back in the file's layout first
-    const long tile_bytes = K / 32 * kTileRows * info.bytes;
-    const uint8_t* row = info.tiled ? w + ids[r] / kTileRows * tile_bytes : w + ids[r] * row_bytes;
+    // a 32-block type's row: each block back in the file's layout first
+    const uint8_t* tile = w + ids[r] / kTileRows * (K / 32 * kTileRows * info.bytes);
     uint8_t file_block[34];
-    for (long b = 0; b < K / info.block; ++b) {
+    for (long b = 0; b < K / 32; ++b) {
       Block32 blk;
-      const uint8_t* src = row + b * info.bytes;
-      if (info.tiled) {
-        unpack_tile32_row(type, row + b * kTileRows * info.bytes,
-                          static_cast<int>(ids[r] % kTileRows), file_block);
-        src = file_block;
-      }
-      decode_block32(type, src, &blk);
+      unpack_tile32_row(type, tile + b * kTileRows * info.bytes,
+                        static_cast<int>(ids[r] % kTileRows), file_block);
+      decode_block32(type, file_block, &blk);
       for (int e = 0; e < 32; ++e) {
         const float c = info.is_signed ? static_cast<int8_t>(blk.c[e]) : blk.c[e];
         o[b * 32 + e] = blk.d * c + blk.a;
