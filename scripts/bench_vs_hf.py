@@ -95,12 +95,12 @@ PRESETS: dict[str, tuple[str, list[str]]] = {  # name: (common overrides, method
     # the README's main pipelines on the 1.5B, twelve questions (the 0.5B drafts)
     "full": ("model=qwen2.5-coder-1.5b workload.per_category=2 runner.max_new_tokens=128",
              [*MAIN, *BASELINE_ROWS, "llamacpp_draft=+experiment=pld_sps"]),
-    # the training-free ones on SmolLM2-135M (no draft model exists for it), on its float
-    # weights and on its GGUF file as published: a few minutes
-    "quick": ("model=smollm2-135m workload.per_category=1 runner.max_new_tokens=64",
-              ["ar=+experiment=ar", "+experiment=default", "+experiment=pld",
-               "ar_gguf=+experiment=ar model=smollm2-135m-gguf",
-               "default_gguf=+experiment=default model=smollm2-135m-gguf", *BASELINE_ROWS]),
+    # the default job on SmolLM2-135M's GGUF file (no draft model exists for it) beside plain
+    # decoding of the file, the same two on its float weights, HF and llama.cpp: a few minutes
+    "quick": ("workload.per_category=1 runner.max_new_tokens=64",
+              ["ar=+experiment=ar model=smollm2-135m-gguf", "+experiment=default",
+               "ar_float=+experiment=ar model=smollm2-135m",
+               "default_float=+experiment=default model=smollm2-135m", *BASELINE_ROWS]),
 }
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 

@@ -66,7 +66,8 @@ def test_each_default_method_composes_with_its_name_and_overrides(bench, preset:
     by_name = {m.name: m for m in composed}
     assert list(by_name) == [bench.parse_method([t])[0] or t.split("=", 1)[1] for t in methods]
     ref = composed[0]
-    assert (ref.name, ref.overrides, ref.cfg.method) == ("ar", ["+experiment=ar"], "ar")
+    ref_overrides = ["+experiment=ar"] + ([] if preset == "full" else ["model=smollm2-135m-gguf"])
+    assert (ref.name, ref.overrides, ref.cfg.method) == ("ar", ref_overrides, "ar")
     assert ref.cfg.drafter is None or ref.cfg.drafter.get("_target_") is None
     model = "qwen2.5-coder-1.5b" if preset == "full" else "smollm2-135m"
     for m in composed:
@@ -91,16 +92,17 @@ def test_each_default_method_composes_with_its_name_and_overrides(bench, preset:
         assert by_name["pld_sps"].cfg.runner.max_new_tokens == 128
     else:
         assert by_name["default"].cfg.method == "suffix_recycle"  # the default job's pipeline
-        assert by_name["pld"].overrides == ["+experiment=pld"]
+        assert by_name["default_float"].overrides == ["+experiment=default", "model=smollm2-135m"]
         assert by_name["default"].cfg.workload.per_category == 1  # common wins over the job's
         weights = {name: m.cfg.model.weights for name, m in by_name.items()}
-        assert weights["ar"] == weights["default"] == weights["pld"] == "float"
-        assert weights["ar_gguf"] == weights["default_gguf"] == "gguf"  # a method's own wins
+        assert weights["ar"] == weights["default"] == "gguf"  # the default job: the GGUF file
+        assert weights["ar_float"] == weights["default_float"] == "float"
         # each compared with the plain decoding of its own weights
         own = {name: bench.own_plain(m, composed) for name, m in by_name.items()}
-        assert own == {"ar": "ar", "default": "ar", "pld": "ar", "ar_gguf": "ar_gguf",
-                       "default_gguf": "ar_gguf", "hf_plain": "ar", "hf_lookup": "ar",
-                       "llamacpp_plain": "llamacpp_plain", "llamacpp_lookup": "llamacpp_plain"}
+        assert own == {"ar": "ar", "default": "ar", "ar_float": "ar_float",
+                       "default_float": "ar_float", "hf_plain": "ar_float",
+                       "hf_lookup": "ar_float", "llamacpp_plain": "llamacpp_plain",
+                       "llamacpp_lookup": "llamacpp_plain"}
 
 
 def test_unnamed_methods_take_their_config_name(bench) -> None:
@@ -131,16 +133,16 @@ def test_bench_interleaved_is_the_same_program() -> None:
 
 @pytest.mark.slow
 def test_tiny_run_end_to_end(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SmolLM2-135M, one prompt, 8 new tokens: plain decoding, the token trees, HF generate,
-    the same two on the GGUF file and (where installed) llama.cpp; every record and the
-    report written, each method's tokens equal to its own plain decoding's."""
+    """SmolLM2-135M, one prompt, 8 new tokens: plain decoding of the GGUF file, the default job
+    (token trees on it), plain decoding of the float weights, HF generate and (where
+    installed) llama.cpp; every record and the report written, each method's tokens equal to
+    its own plain decoding's."""
     from specflow.models.prepare import is_prepared
 
     if not is_prepared("smollm2-135m"):
         pytest.skip("smollm2-135m is not prepared (bash scripts/setup.sh)")
-    methods = ["ar=+experiment=ar", "+experiment=default", "hf_plain",
-               "ar_gguf=+experiment=ar model=smollm2-135m-gguf",
-               "default_gguf=+experiment=default model=smollm2-135m-gguf"]
+    methods = ["ar=+experiment=ar model=smollm2-135m-gguf", "+experiment=default",
+               "ar_float=+experiment=ar model=smollm2-135m", "hf_plain"]
     if importlib.util.find_spec("llama_cpp") is not None:
         methods += ["llamacpp_plain", "llamacpp_lookup"]
     argv = ["bench_vs_hf.py", "--preset", "quick", "--out", str(tmp_path), "--common",
@@ -158,12 +160,12 @@ def test_tiny_run_end_to_end(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert (tmp_path / name / "requests.jsonl").exists()
         assert row["tpot_s"] and row["ttft_s"]
     assert rep["methods"]["ar"]["identical"] == [1, 1]
+    # the default job (token trees on the GGUF file) against plain decoding of the file
+    assert rep["methods"]["default"]["identical_to"] == "ar"
     assert rep["methods"]["default"]["identical"] == [1, 1]
-    assert rep["methods"]["hf_plain"]["identical_to"] == "ar"
+    # HF generate against specflow's plain decoding of the float weights
+    assert rep["methods"]["hf_plain"]["identical_to"] == "ar_float"
     assert rep["methods"]["hf_plain"]["identical"] == [1, 1]
-    # the token trees on the GGUF file against plain decoding of the file (its own rounding)
-    assert rep["methods"]["default_gguf"]["identical_to"] == "ar_gguf"
-    assert rep["methods"]["default_gguf"]["identical"] == [1, 1]
     if "llamacpp_lookup" in rep["methods"]:
         assert rep["methods"]["llamacpp_lookup"]["identical"] == [1, 1]
         assert rep["methods"]["llamacpp_lookup"]["identical_to"] == "llamacpp_plain"
