@@ -71,8 +71,7 @@ class SubVocabHead:
         extra = [t for t in always if prefix <= t < vocab] + list(range(prefix, top))
         extra_ids = torch.tensor(sorted(set(extra)), dtype=torch.long)  # [E], all >= prefix
         ids = torch.cat([torch.arange(prefix), extra_ids])  # [N], ascending
-        weight = lm.lm_head  # [V, H]
-        extra_weight = weight.index_select(0, extra_ids.to(weight.device)).contiguous()
+        extra_weight = lm.head_rows(extra_ids)  # [E, H]
         return cls(ids, prefix, extra_weight, vocab)
 
     def logits(self, lm: NativeLM, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:

@@ -202,3 +202,34 @@ def test_the_row_probe_prices_the_quantized_kernel_and_never_pads(gguf_target):
     assert lm.min_rows == 1 and not lm.dense_rows and not lm.float_rows
     prices = row_prices(lm)
     assert prices is not None and prices(1) == 1.0 and prices(8) >= prices(2) >= 1.0
+
+
+def test_a_vocabulary_subset_scores_the_quantized_heads_rows(gguf_drafter):
+    """The subset's prefix is the quantized head's own rows (the same bits as the full head);
+    the extra ids' rows are decoded from the file's blocks."""
+    from specflow.drafting import SubVocabHead
+    from specflow.kv.session import ModelSession
+
+    lm = gguf_drafter[1]
+    head = SubVocabHead.build(lm, 40, always=[100, 70, 100])
+    prefix = head.prefix
+    assert head.ids.tolist() == list(range(prefix)) + sorted({*range(prefix, 40), 70, 100})
+    torch.testing.assert_close(head.extra_weight, lm.lm_head.rows_of(head.ids[prefix:]))
+    session = ModelSession(lm, 16)
+    session.set_tokens([1, 5, 9, 17])
+    top = lm.info.num_layers
+    full = session.logits(top, 0, 4)  # [4, V]
+    sub = head.logits(lm, session.exit_hidden(top, 0, 4), top)  # [4, N]
+    assert torch.equal(sub[:, :prefix], full[:, :prefix])
+    torch.testing.assert_close(sub[:, prefix:], full[:, head.ids[prefix:]], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_quantized_drafter_with_a_vocabulary_subset_keeps_the_targets_tokens(
+        batch_size, gguf_target, gguf_drafter, plain_tokens):
+    from stages.drafters.model import ModelDrafter
+
+    lm, draft_lm = gguf_target[1], gguf_drafter[1]
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
+                               drafter=ModelDrafter(draft_lm, k=3, vocab_subset=40))
+    assert decode(pipe, batch_size) == plain_tokens

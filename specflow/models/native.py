@@ -718,6 +718,14 @@ class NativeLM:
             return quant_linear(x, self.lm_head.prefix(ids), None)  # [T, ids]
         return F.linear(x, self.lm_head[:ids]).float()  # [T, ids]
 
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [E]`` -> the LM head's rows of those token ids, ``[E, H]`` dense (a GGUF
+        head's decoded to float32 as ggml decodes them): the extra ids of a drafter's
+        vocabulary subset (``specflow.drafting.SubVocabHead``)."""
+        if isinstance(self.lm_head, QuantMatrix):
+            return self.lm_head.rows_of(ids)  # [E, H] float32
+        return self.lm_head.index_select(0, ids.to(self.lm_head.device)).contiguous()  # [E, H]
+
     @torch.no_grad()
     def head_input(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
         """``h_exit [T, H] -> x [T, H]``, what the LM head multiplies: the exit's trained head
