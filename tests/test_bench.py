@@ -91,7 +91,10 @@ def test_each_default_method_composes_with_its_name_and_overrides(bench, preset:
         assert fixed.cfg.drafter == adaptive.cfg.drafter
         assert by_name["pld_sps"].cfg.runner.max_new_tokens == 128
     else:
-        assert by_name["default"].cfg.method == "suffix_recycle"  # the default job's pipeline
+        default = by_name["default"].cfg  # the default job's pipeline
+        assert default.method == "pld_adaptive"
+        assert default.drafter._target_.endswith("PLDDrafter")
+        assert default.draft_length._target_.endswith("AdaptiveDraftLength")
         assert by_name["default_float"].overrides == ["+experiment=default", "model=smollm2-135m"]
         assert by_name["default"].cfg.workload.per_category == 1  # common wins over the job's
         weights = {name: m.cfg.model.weights for name, m in by_name.items()}
@@ -114,7 +117,7 @@ def test_unnamed_methods_take_their_config_name(bench) -> None:
 
 def test_no_experiment_composes_the_default_job_as_run_py_does(bench) -> None:
     (m,) = bench.compose_methods([], [["plain=runner.max_new_tokens=8"]])
-    assert m.cfg.method == "suffix_recycle" and m.cfg.runner.max_new_tokens == 8
+    assert m.cfg.method == "pld_adaptive" and m.cfg.runner.max_new_tokens == 8
 
 
 def test_repeated_names_and_a_baseline_reference_are_refused(bench) -> None:
@@ -134,9 +137,9 @@ def test_bench_interleaved_is_the_same_program() -> None:
 @pytest.mark.slow
 def test_tiny_run_end_to_end(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2-135M, one prompt, 8 new tokens: plain decoding of the GGUF file, the default job
-    (token trees on it), plain decoding of the float weights, HF generate and (where
-    installed) llama.cpp; every record and the report written, each method's tokens equal to
-    its own plain decoding's."""
+    (prompt lookup, adaptive length, on it), plain decoding of the float weights, HF generate
+    and (where installed) llama.cpp; every record and the report written, each method's tokens
+    equal to its own plain decoding's."""
     from specflow.models.prepare import is_prepared
 
     if not is_prepared("smollm2-135m"):
@@ -160,7 +163,7 @@ def test_tiny_run_end_to_end(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert (tmp_path / name / "requests.jsonl").exists()
         assert row["tpot_s"] and row["ttft_s"]
     assert rep["methods"]["ar"]["identical"] == [1, 1]
-    # the default job (token trees on the GGUF file) against plain decoding of the file
+    # the default job (prompt lookup on the GGUF file) against plain decoding of the file
     assert rep["methods"]["default"]["identical_to"] == "ar"
     assert rep["methods"]["default"]["identical"] == [1, 1]
     # HF generate against specflow's plain decoding of the float weights
