@@ -364,9 +364,9 @@ constexpr int high_at(int j, int st) { return 288 + (j / 2) * 1536 + st * 64; }
 // high; Q8_0: 8 steps of signed values): the file's bytes, 16 rows side by side, so one vector
 // holds 4 code bytes (or the fifth bits) of each of 8 rows and its lanes are weight rows, as in
 // the K-quant tiles.
-inline int tile32_codes(int type) { return type == kQ4_1 ? 64 : type == kQ5_0 ? 96 : 32; }
-inline int tile32_steps(int type) { return type == kQ8_0 ? 8 : 4; }
-inline int file32_codes(int type) { return type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : 2; }
+constexpr int tile32_codes(int type) { return type == kQ4_1 ? 64 : type == kQ5_0 ? 96 : 32; }
+constexpr int tile32_steps(int type) { return type == kQ8_0 ? 8 : 4; }
+constexpr int file32_codes(int type) { return type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : 2; }
 
 // Row r's block as the file lays it (`bytes` bytes) -> its place in a tile block t.
 void pack_tile32_row(int type, const uint8_t* file_block, int r, uint8_t* t) {
@@ -844,7 +844,7 @@ template <int TYPE>
 void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, int mc, float* y,
                  long ldy, long n0, int nvalid) {
   constexpr int kBytes = TYPE == kQ4_0 ? 18 : TYPE == kQ4_1 ? 20 : TYPE == kQ5_0 ? 22 : 34;
-  constexpr int kCodes = TYPE == kQ4_1 ? 64 : TYPE == kQ5_0 ? 96 : 32;
+  constexpr int kCodes = tile32_codes(TYPE);
   // Q5_0: byte e of a row's 4 takes bit e of the byte broadcast to them, as 0x10
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
                                           0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
@@ -872,7 +872,7 @@ void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, in
         const int16_t* bs = xq.bsum.data() + m * n16 + 2 * b;
         off = _mm256_fmadd_ps(_mm256_mul_ps(a, dx), _mm256_set1_ps(static_cast<float>(bs[0] + bs[1])), off);
         const int8_t* xb = x + 32 * b;
-        if (TYPE == kQ8_0) {  // |c| as unsigned, x carrying c's sign (block32_rows' products)
+        if (TYPE == kQ8_0) {  // |c| as unsigned, x carrying c's sign (block32_row's products)
           for (int st = 0; st < 8; ++st) {
             const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kCodes + st * 64 + 32 * h));
             const __m256i xs = _mm256_sign_epi8(bcast4(xb + 4 * st), c);
@@ -1082,11 +1082,12 @@ int quant_dequantize_rows(int type, const uint8_t* w, long K, const long* ids, l
                           float* out) {
   TypeInfo info;
   if (!type_info(type, &info) || K <= 0 || K % info.block) return -1;
+  const long tile_bytes = quant_tile_bytes(type, K);
   for (long r = 0; r < R; ++r) {
     float* o = out + r * K;
+    const uint8_t* tile = w + ids[r] / kTileRows * tile_bytes;
     if (info.k_quant) {  // as ggml dequantizes: Q4_K (d s) c - dmin m, Q6_K (d s) (c - 32)
       const TileLayout& L = tile_layout(type);
-      const uint8_t* tile = w + ids[r] / kTileRows * (K / 256 * L.bytes);
       RowSuper s;
       for (long b = 0; b < K / 256; ++b) {
         unpack_tile_row(type, tile + b * L.bytes, static_cast<int>(ids[r] % kTileRows), &s);
@@ -1101,7 +1102,6 @@ int quant_dequantize_rows(int type, const uint8_t* w, long K, const long* ids, l
       continue;
     }
     // a 32-block type's row: each block back in the file's layout first
-    const uint8_t* tile = w + ids[r] / kTileRows * (K / 32 * kTileRows * info.bytes);
     uint8_t file_block[34];
     for (long b = 0; b < K / 32; ++b) {
       Block32 blk;
