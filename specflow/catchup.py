@@ -20,10 +20,13 @@ keeps its prefix from round to round; it shortens the draft model's prefill of a
 prompt to W positions.  Only a drafter's own model may be windowed (``specflow.engine``):
 the target's sessions always hold every token.
 
-Every verifier's prefill, every model drafter's lazy catch-up and a pool's switch of arms
-call ``catch_up``: one batched forward (``forward_hidden``) over the requests more than
-``slack`` positions behind, timed with the requests' ``DecodeState.clock`` (the pipeline's
-clock), never with a second counter.
+Every verifier's prefill and a pool's switch of arms call ``catch_up``: one batched forward
+(``forward_hidden``) over the requests more than ``slack`` positions behind, timed with the
+requests' ``DecodeState.clock`` (the pipeline's clock), never with a second counter.  A
+model drafter's lazy catch-up (``specflow.drafting.draft_with_model``) only syncs the
+tokens (``sync_tokens``) and lets its first drafting step's forward process the positions
+behind: a pass over ``behind + 1`` rows costs less than a pass over ``behind`` and another
+over one.
 """
 
 from __future__ import annotations
@@ -74,6 +77,22 @@ def positions_behind(state: DecodeState, lm: LayeredLM, exit_layer: int,
     return max(0, len(tokens) - 1 - done)
 
 
+def sync_tokens(states: list[DecodeState], lm: LayeredLM, exit_layer: int,
+                window: int | None = None) -> list[int]:
+    """Give each request's session of ``lm`` the request's committed tokens (``set_tokens``:
+    the rejected drafts of earlier rounds are dropped; from ``context_start`` on with a
+    ``window``) and return, per request, ``behind`` of the module doc: the positions before
+    its last committed token that layers ``< exit_layer`` have not processed.  No forward
+    runs: a caller that runs one over the session (``forward_hidden``) processes them."""
+    missing = []
+    for st in states:
+        session = st.session(lm)
+        tokens = session_tokens(st, window)
+        session.set_tokens(tokens)
+        missing.append(max(0, len(tokens) - 1 - session.computed(exit_layer - 1)))
+    return missing
+
+
 def catch_up(
     states: list[DecodeState], lm: LayeredLM, exit_layer: int, slack: int = 0,
     window: int | None = None,
@@ -86,17 +105,13 @@ def catch_up(
     last committed token.  ``slack=1`` leaves the usual one position of a drafter's previous
     round to ride along with its first drafting step.
     """
-    behind = [0] * len(states)
+    missing = sync_tokens(states, lm, exit_layer, window)
+    behind = [m if m > slack else 0 for m in missing]
     todo = []
-    for i, st in enumerate(states):
-        session = st.session(lm)
-        tokens = session_tokens(st, window)
-        session.set_tokens(tokens)
-        end = len(tokens) - 1
-        missing = max(0, end - session.computed(exit_layer - 1))
-        if missing > slack:
-            behind[i] = missing
-            todo.append((session, exit_layer, end))
+    for st, late in zip(states, behind, strict=True):
+        if late:
+            session = st.session(lm)
+            todo.append((session, exit_layer, len(session.tokens) - 1))
     if not todo:
         return CatchUp(behind)
     clock = states[0].clock

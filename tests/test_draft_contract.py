@@ -10,10 +10,13 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from specflow import drafting
 from specflow.catchup import catch_up
+from specflow.costs import RowPrices
 from specflow.drafting import draft_with_model
 from specflow.engine import SpeculativePipeline
 from specflow.errors import ConfigError
+from specflow.kv.session import forward_exit_hidden
 from specflow.kv.stores import KVStores
 from specflow.protocols import DraftPart, Pipeline, draft_limit
 from specflow.scheduler import generate
@@ -215,11 +218,25 @@ def test_catch_up_is_timed_with_the_requests_clock(tiny_target):
     assert catch_up(states, lm, lm.info.num_layers, slack=1).behind == [0, 0]
 
 
-def test_a_drafters_catch_up_reads_the_requests_clock(tiny_target):
+def test_a_drafters_catch_up_rides_along_its_first_step(tiny_target, monkeypatch):
+    """The lazy prefill (38 positions) and the first drafting step are one pass of 39 rows,
+    timed once with the requests' clock (1 tick); the catch-up's share of it is what the
+    step's single row would not have cost: 1 - 1/39 without row prices, 1 - price(1) /
+    price(39) with the drafter's own."""
     _, lm = tiny_target
+    passes = []
+    monkeypatch.setattr(drafting, "forward_exit_hidden",
+                        lambda queries: passes.append(queries) or forward_exit_hidden(queries))
     state = _state(list(range(1, 40)), Ticks())
     (draft,) = draft_with_model([state], lm, lm.info.num_layers, [2])
-    assert len(draft.tokens) == 2 and draft.catchup_s == 1.0
+    assert len(draft.tokens) == 2 and len(passes) == 2  # the catch-up needed no pass of its own
+    assert draft.catchup_s == 1.0 - 1.0 / 39.0
+    prices = RowPrices({1: 1.0, 2: 1.5, 40: 7.0}, 1)  # price(39) = 1 + 6 * 37/38 + 0.5
+    monkeypatch.setattr(drafting, "row_prices", lambda model: prices)
+    again = _state(list(range(1, 40)), Ticks())
+    (draft,) = draft_with_model([again], lm, lm.info.num_layers, [2])
+    assert draft.catchup_s == pytest.approx(1.0 - 1.0 / prices(39), abs=1e-12)
+    assert draft.tokens == [7, 125]  # the same tokens whichever way the time is split
 
 
 def test_a_pool_times_an_arms_catch_up_with_the_requests_clock(tiny_target, tiny_drafter):
@@ -257,7 +274,8 @@ class _RecordingPolicy:
 
 def test_the_engine_subtracts_catch_up_seconds_of_its_own_clock(tiny_target, tiny_drafter):
     """With a ticking clock every stage time is a whole number of ticks: a drafter's
-    catch-up read from another counter would leave a fraction in the policy's draft_s."""
+    catch-up read from another counter would not add up with the policy's draft_s to the
+    proposal's ticks."""
     _, lm = tiny_target
     _, draft_lm = tiny_drafter
     policy = _RecordingPolicy()
@@ -265,7 +283,10 @@ def test_the_engine_subtracts_catch_up_seconds_of_its_own_clock(tiny_target, tin
                                draft_length=policy, clock=Ticks())
     gen = generate(pipe, PROMPT, 12)
     assert gen.stats.drafted > 0
-    assert policy.catchup_s[0] == 1.0  # the lazy prefill: two readings of the clock
-    # the first round: t0, the catch-up's two readings, t1 -> 3 ticks, 1 of them catch-up
-    assert policy.draft_s[0] == 2.0
-    assert all(s == int(s) for s in policy.draft_s + policy.catchup_s)
+    # the first round: t0, the first step's two readings (the lazy prefill of 7 positions
+    # rides along: 8 rows, 1 of them the step's), t1 -> 3 ticks, 7/8 of one of them catch-up
+    assert policy.catchup_s[0] == 7.0 / 8.0
+    assert policy.draft_s[0] == 3.0 - 7.0 / 8.0
+    # later rounds: one position behind, no catch-up, whole ticks
+    assert policy.catchup_s[1:] == [0.0] * (len(policy.catchup_s) - 1)
+    assert all(s == int(s) for s in policy.draft_s[1:])
