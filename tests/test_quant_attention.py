@@ -104,13 +104,23 @@ VECTOR_BUILDS = [b for b in ("avx512", "avx2") if b in kernel.runnable_builds()]
 
 @pytest.mark.skipif(not VECTOR_BUILDS, reason="this CPU runs only the portable build")
 @pytest.mark.parametrize("build", VECTOR_BUILDS)
-def test_each_vector_build_gives_the_portable_builds_bits(build, monkeypatch):
-    keys, values = cache(6)
-    q = queries(7, 7)
+@pytest.mark.parametrize(("nh", "kh", "d"), [(NH, KH, D), (14, 2, 24), (27, 3, 8)])
+def test_each_vector_build_gives_the_portable_builds_bits(build, nh, kh, d, monkeypatch):
+    """The vector builds attend a group's heads together (8 scored, 6 summed at a time;
+    columns 16 at a time, then 8): 7 and 9 heads a group and a head of 24 take every
+    remainder; a tree's rows too."""
+    g = torch.Generator().manual_seed(6)
+    keys, values = torch.randn(kh, L, d, generator=g) * 2, torch.randn(kh, L, d, generator=g)
+    q = torch.randn(7, nh, d, generator=g) * 2
+    offsets = torch.tensor([0, 1, 3, 5, 8, 9, 10, 11])
+    columns = torch.tensor([30, 30, 31, 30, 32, 30, 31, 33, 34, 35, 36])
     results = {}
     for name in (build, "portable"):
         loaded = kernel.load_build(name)
         assert loaded.available, loaded.why
         monkeypatch.setattr("specflow.quant.matrix.kernel_status", lambda k=loaded: k)
-        results[name] = attend_rows(q, keys, values, chain(30, 7), None, D**-0.5)
-    assert torch.equal(results[build], results["portable"])
+        results[name] = (attend_rows(q, keys, values, chain(30, 7), None, d**-0.5),
+                         attend_rows(q, keys, values, torch.full((7,), 30), (offsets, columns),
+                                     d**-0.5))
+    for vector, portable in zip(results[build], results["portable"], strict=True):
+        assert torch.equal(vector, portable)

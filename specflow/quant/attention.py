@@ -43,5 +43,5 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         scale, out.data_ptr(), torch.get_num_threads())
     if err:
         raise ValueError(f"attend_rows: {nh} heads of {d} over {kh} KV heads (head size a "
-                         "multiple of 8, heads a multiple of KV heads)")
+                         "multiple of 8, heads a multiple of KV heads, at most 64 a KV head)")
     return out

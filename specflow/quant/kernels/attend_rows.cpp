@@ -39,6 +39,8 @@ using rowexact::lanes_sum;
 // Multiply-adds a call does below which it runs on one thread (a parallel region's start
 // costs more than a short row's attention).
 constexpr long kParallelWork = 1L << 18;
+// Query heads a KV group may have.
+constexpr int kMaxHeads = 64;
 
 inline float dot8(const float* a, const float* b, int d) {
   float l[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -48,9 +50,10 @@ inline float dot8(const float* a, const float* b, int d) {
   return lanes_sum(l);
 }
 
-// Keys whose scores one pass takes together: independent sums, so the adds overlap.
+// The portable path, one head at a time.  Keys whose scores one pass takes together:
+// independent sums, so the adds overlap.
 constexpr int kKeysAtOnce = 4;
-// Output elements one pass over the keys accumulates (4 vectors of 8).
+// Output elements one pass over the keys accumulates.
 constexpr int kOutAtOnce = 32;
 
 // s[j] = dot8(q, key j) * scale for the n visible keys (keys(j) -> its position).
@@ -61,47 +64,23 @@ void scores(const float* q, const float* kg, long n, int d, const Keys& keys, fl
   for (; j + kKeysAtOnce <= n; j += kKeysAtOnce) {
     const float* kp[kKeysAtOnce];
     for (int u = 0; u < kKeysAtOnce; ++u) kp[u] = kg + keys(j + u) * d;
-#if defined(__AVX2__)
-    __m256 l[kKeysAtOnce];
-    for (int u = 0; u < kKeysAtOnce; ++u) l[u] = _mm256_setzero_ps();
-    for (int c = 0; c < d; c += kLanes) {
-      const __m256 qc = _mm256_loadu_ps(q + c);
-      for (int u = 0; u < kKeysAtOnce; ++u) {
-        l[u] = _mm256_add_ps(l[u], _mm256_mul_ps(qc, _mm256_loadu_ps(kp[u] + c)));
-      }
-    }
-#else
     float l[kKeysAtOnce][kLanes] = {};
     for (int c = 0; c < d; c += kLanes) {
       for (int u = 0; u < kKeysAtOnce; ++u) {
         for (int e = 0; e < kLanes; ++e) l[u][e] = l[u][e] + q[c + e] * kp[u][c + e];
       }
     }
-#endif
     for (int u = 0; u < kKeysAtOnce; ++u) s[j + u] = lanes_sum(l[u]) * scale;
   }
   for (; j < n; ++j) s[j] = dot8(q, kg + keys(j) * d, d) * scale;
 }
 
-// out[c] = (sum_j p[j] v_j[c], left to right) / z for the n visible values.
+// out[c] = (sum_j p[j] v_j[c], left to right) / z for the n visible values, columns c0 ..
+// in blocks of W.
 template <int W, typename Keys>
 void weighted_values(const float* p, const float* vg, long n, int d, int c0, const Keys& keys,
                      float z, float* out) {
   for (int c = c0; c + W <= d; c += W) {
-#if defined(__AVX2__)
-    constexpr int kVectors = W / kLanes;
-    __m256 a[kVectors];
-    for (int u = 0; u < kVectors; ++u) a[u] = _mm256_setzero_ps();
-    for (long j = 0; j < n; ++j) {
-      const __m256 e = _mm256_set1_ps(p[j]);
-      const float* vj = vg + keys(j) * d + c;
-      for (int u = 0; u < kVectors; ++u) {
-        a[u] = _mm256_add_ps(a[u], _mm256_mul_ps(e, _mm256_loadu_ps(vj + u * kLanes)));
-      }
-    }
-    const __m256 zv = _mm256_set1_ps(z);
-    for (int u = 0; u < kVectors; ++u) _mm256_storeu_ps(out + c + u * kLanes, _mm256_div_ps(a[u], zv));
-#else
     float a[W] = {};
     for (long j = 0; j < n; ++j) {
       const float e = p[j];
@@ -109,40 +88,145 @@ void weighted_values(const float* p, const float* vg, long n, int d, int c0, con
       for (int u = 0; u < W; ++u) a[u] = a[u] + e * vj[u];
     }
     for (int u = 0; u < W; ++u) out[c + u] = a[u] / z;
-#endif
   }
+}
+
+#if defined(__AVX2__)
+// The AVX2 path attends a group's heads together, so each key and value row is read once for
+// all of them (per head, a group's keys and values were streamed r times: from memory once a
+// long context's cache outgrows the core's cache).  Each head's float sequence is the one
+// above (the same operations in the same order), only interleaved with its neighbours'.
+
+// Heads a pass over the keys scores together (one accumulator each), and whose weighted
+// values a pass over the values sums together (two vectors each: 16 columns).
+constexpr int kScoreHeads = 8;
+constexpr int kValueHeads = 6;
+
+// s[h * n + j] = dot8(q_h, key j) * scale for the H heads at q (head stride d).
+template <int H, typename Keys>
+void scores_heads(const float* q, const float* kg, long n, int d, const Keys& keys, float scale,
+                  float* s) {
+  for (long j = 0; j < n; ++j) {
+    const float* kp = kg + keys(j) * d;
+    __m256 l[H];
+    for (int h = 0; h < H; ++h) l[h] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += kLanes) {
+      const __m256 kc = _mm256_loadu_ps(kp + c);
+      for (int h = 0; h < H; ++h) {
+        l[h] = _mm256_add_ps(l[h], _mm256_mul_ps(_mm256_loadu_ps(q + h * d + c), kc));
+      }
+    }
+    for (int h = 0; h < H; ++h) s[h * n + j] = lanes_sum(l[h]) * scale;
+  }
+}
+
+// out_h[c] = (sum_j p[h * n + j] v_j[c], left to right) / z[h] for the H heads at out (head
+// stride d), columns c0 .. c0 + 8 V - 1 (V vectors).
+template <int H, int V, typename Keys>
+void values_heads(const float* p, const float* vg, long n, int d, int c0, const Keys& keys,
+                  const float* z, float* out) {
+  __m256 a[H][V];
+  for (int h = 0; h < H; ++h) {
+    for (int u = 0; u < V; ++u) a[h][u] = _mm256_setzero_ps();
+  }
+  for (long j = 0; j < n; ++j) {
+    const float* vj = vg + keys(j) * d + c0;
+    __m256 vv[V];
+    for (int u = 0; u < V; ++u) vv[u] = _mm256_loadu_ps(vj + u * kLanes);
+    for (int h = 0; h < H; ++h) {
+      const __m256 e = _mm256_set1_ps(p[h * n + j]);
+      for (int u = 0; u < V; ++u) a[h][u] = _mm256_add_ps(a[h][u], _mm256_mul_ps(e, vv[u]));
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const __m256 zv = _mm256_set1_ps(z[h]);
+    for (int u = 0; u < V; ++u) {
+      _mm256_storeu_ps(out + h * d + c0 + u * kLanes, _mm256_div_ps(a[h][u], zv));
+    }
+  }
+}
+
+template <typename Keys>
+void scores_chunk(int heads, const float* q, const float* kg, long n, int d, const Keys& keys,
+                  float scale, float* s) {
+  switch (heads) {
+    case 1: scores_heads<1>(q, kg, n, d, keys, scale, s); break;
+    case 2: scores_heads<2>(q, kg, n, d, keys, scale, s); break;
+    case 3: scores_heads<3>(q, kg, n, d, keys, scale, s); break;
+    case 4: scores_heads<4>(q, kg, n, d, keys, scale, s); break;
+    case 5: scores_heads<5>(q, kg, n, d, keys, scale, s); break;
+    case 6: scores_heads<6>(q, kg, n, d, keys, scale, s); break;
+    case 7: scores_heads<7>(q, kg, n, d, keys, scale, s); break;
+    default: scores_heads<8>(q, kg, n, d, keys, scale, s); break;
+  }
+}
+
+template <int V, typename Keys>
+void values_chunk(int heads, const float* p, const float* vg, long n, int d, int c0,
+                  const Keys& keys, const float* z, float* out) {
+  switch (heads) {
+    case 1: values_heads<1, V>(p, vg, n, d, c0, keys, z, out); break;
+    case 2: values_heads<2, V>(p, vg, n, d, c0, keys, z, out); break;
+    case 3: values_heads<3, V>(p, vg, n, d, c0, keys, z, out); break;
+    case 4: values_heads<4, V>(p, vg, n, d, c0, keys, z, out); break;
+    case 5: values_heads<5, V>(p, vg, n, d, c0, keys, z, out); break;
+    default: values_heads<6, V>(p, vg, n, d, c0, keys, z, out); break;
+  }
+}
+#endif
+
+// exp(s_j - max_j s_j) in place over one head's n scores; their sum z (module doc).
+inline float softmax_weights(float* sh, long n) {
+  float m = -3.0e38f;
+  for (long j = 0; j < n; ++j) m = std::max(m, sh[j]);
+  long j0 = 0;
+#if defined(__AVX2__)
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j0 + kLanes <= n; j0 += kLanes) {
+    _mm256_storeu_ps(sh + j0, exp_clamped(_mm256_sub_ps(_mm256_loadu_ps(sh + j0), mv)));
+  }
+#endif
+  for (; j0 < n; ++j0) sh[j0] = exp_clamped(sh[j0] - m);
+  float zl[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  long j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int e = 0; e < kLanes; ++e) zl[e] = zl[e] + sh[j + e];
+  }
+  for (; j < n; ++j) zl[j % kLanes] = zl[j % kLanes] + sh[j];
+  return lanes_sum(zl);
 }
 
 // One (row, group): the r heads' outputs.  keys(j) -> the position of visible key j.
 template <typename Keys>
 void attend_group(const float* q, int r, int d, const float* kg, const float* vg, long n,
                   const Keys& keys, float scale, float* out, std::vector<float>& s) {
-  s.resize(static_cast<size_t>(n));
-  float* sh = s.data();
-  for (int h = 0; h < r; ++h) {
-    scores(q + static_cast<long>(h) * d, kg, n, d, keys, scale, sh);
-    float m = -3.0e38f;
-    for (long j = 0; j < n; ++j) m = std::max(m, sh[j]);
-    long j0 = 0;
+  s.resize(static_cast<size_t>(r) * static_cast<size_t>(n));
+  float z[kMaxHeads];
 #if defined(__AVX2__)
-    const __m256 mv = _mm256_set1_ps(m);
-    for (; j0 + kLanes <= n; j0 += kLanes) {
-      _mm256_storeu_ps(sh + j0, exp_clamped(_mm256_sub_ps(_mm256_loadu_ps(sh + j0), mv)));
-    }
-#endif
-    for (; j0 < n; ++j0) sh[j0] = exp_clamped(sh[j0] - m);
-    float zl[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-    long j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
-      for (int e = 0; e < kLanes; ++e) zl[e] = zl[e] + sh[j + e];
-    }
-    for (; j < n; ++j) zl[j % kLanes] = zl[j % kLanes] + sh[j];
-    const float z = lanes_sum(zl);
+  for (int h0 = 0; h0 < r; h0 += kScoreHeads) {
+    scores_chunk(std::min(kScoreHeads, r - h0), q + static_cast<long>(h0) * d, kg, n, d, keys,
+                 scale, s.data() + h0 * n);
+  }
+  for (int h = 0; h < r; ++h) z[h] = softmax_weights(s.data() + h * n, n);
+  const int wide = d / 16 * 16;
+  for (int h0 = 0; h0 < r; h0 += kValueHeads) {
+    const int heads = std::min(kValueHeads, r - h0);
+    const float* ph = s.data() + h0 * n;
+    float* oh = out + static_cast<long>(h0) * d;
+    for (int c = 0; c < wide; c += 16) values_chunk<2>(heads, ph, vg, n, d, c, keys, z + h0, oh);
+    if (wide < d) values_chunk<1>(heads, ph, vg, n, d, wide, keys, z + h0, oh);
+  }
+#else
+  for (int h = 0; h < r; ++h) {
+    float* sh = s.data() + h * n;
+    scores(q + static_cast<long>(h) * d, kg, n, d, keys, scale, sh);
+    z[h] = softmax_weights(sh, n);
     float* oh = out + static_cast<long>(h) * d;
     const int wide = d / kOutAtOnce * kOutAtOnce;
-    weighted_values<kOutAtOnce>(sh, vg, n, d, 0, keys, z, oh);
-    weighted_values<kLanes>(sh, vg, n, d, wide, keys, z, oh);
+    weighted_values<kOutAtOnce>(sh, vg, n, d, 0, keys, z[h], oh);
+    weighted_values<kLanes>(sh, vg, n, d, wide, keys, z[h], oh);
   }
+#endif
 }
 
 }  // namespace
@@ -151,11 +235,11 @@ extern "C" {
 
 // out [T, NH, D] = the attention of q's rows over the cache (module doc); extra_off/extra
 // may be null (a chain).  Returns 0, or 1 for shapes it does not take (D not a multiple of
-// 8, NH not a multiple of KH).
+// 8, NH not a multiple of KH, more than kMaxHeads query heads a group).
 int quant_attend_rows(int T, int NH, int KH, int D, const float* q, long ldq, const float* k,
                       const float* v, long ldg, const long* prefix, const long* extra_off,
                       const long* extra, float scale, float* out, int threads) {
-  if (D % kLanes || KH <= 0 || NH % KH) return 1;
+  if (D % kLanes || KH <= 0 || NH % KH || NH / KH > kMaxHeads) return 1;
   const int r = NH / KH;
   long work = 0;
   for (int i = 0; i < T; ++i) {
