@@ -12,6 +12,13 @@ everything else are separated.  ``--llamacpp`` prices llama.cpp's passes on the 
 file instead (``llama_decode`` of T rows with logits for each, after the same context;
 llama-cpp-python installed): the row prices of both engines, one after the other.  Run it
 with nothing else on the machine.
+
+``--kernels NAME=PATH ...`` (with ``--weights gguf``) compares builds of the quantized kernel
+library (``specflow.quant.kernel``; e.g. the one built from the last commit's sources and
+the working tree's) on ONE loaded model: each repeat runs every T with each library in
+turn, and every library's logits must equal the first's (a kernel change that keeps the
+bits).  Build a library from other sources with the compiler line in
+``specflow.quant.kernel.build_library``.
 """
 
 from __future__ import annotations
@@ -53,8 +60,15 @@ def main() -> None:
                     help="every pass on int8 copies of the weights (model.quantize=int8)")
     ap.add_argument("--llamacpp", action="store_true",
                     help="price llama.cpp's passes on the model's GGUF file instead")
+    ap.add_argument("--kernels", nargs="+", metavar="NAME=PATH",
+                    help="quantized kernel libraries to alternate on one model (--weights gguf)")
     args = ap.parse_args()
     counts = [int(t) for t in args.tokens.split(",")]
+    if args.kernels:
+        if args.weights != "gguf":
+            ap.error("--kernels compares the quantized kernel: add --weights gguf")
+        compare_kernels(args.model, args.context, counts, args.repeats, args.kernels)
+        return
     if args.llamacpp:
         llamacpp_prices(args.model, args.context, counts, args.repeats)
         return
@@ -111,6 +125,60 @@ def main() -> None:
                 max_shapes_column_width=60,
             )
         )
+
+
+def compare_kernels(model: str, context: int, counts: list[int], repeats: int,
+                    kernels: list[str]) -> None:
+    """Median ms of a T-row pass over ``context`` positions with each kernel library, the
+    libraries alternating within every repeat on one loaded GGUF model (module doc)."""
+    import specflow.quant.matrix as quant_matrix
+    from specflow.quant import kernel
+
+    libraries = {}
+    for spec in kernels:
+        name, sep, path = spec.partition("=")
+        if not sep or not Path(path).is_file():
+            raise SystemExit(f"--kernels {spec!r}: give NAME=PATH of a built library")
+        libraries[name] = kernel.load_library(Path(path), name)
+    first = next(iter(libraries.values()))
+    quant_matrix.kernel_status = lambda: first  # the model loads (repacks) with the first
+    lm = load_model(model, dtype="float32", backend="auto", trust_remote_code=False,
+                    packed_weights=None, weights="gguf").lm
+    n_layers = lm.info.num_layers
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 1000, (context + max(counts),), generator=gen).tolist()
+    sess = ModelSession(lm, context + max(counts) + 1)
+    sess.set_tokens(prompt[:context])
+    sess.hidden(n_layers, context - 1)
+
+    def step(t: int) -> torch.Tensor:
+        sess.set_tokens(prompt[: context + t - 1])
+        logits = sess.logits(n_layers, context - 1, context + t - 1)
+        sess.set_tokens(prompt[: context - 1])
+        return logits
+
+    times: dict[tuple[str, int], list[float]] = {(n, t): [] for n in libraries for t in counts}
+    want: dict[int, torch.Tensor] = {}
+    for rep in range(repeats + 1):  # the first round warms up
+        for name, library in libraries.items():
+            quant_matrix.kernel_status = lambda library=library: library
+            for t in counts:
+                t0 = time.perf_counter()
+                logits = step(t)
+                elapsed = time.perf_counter() - t0
+                if rep:
+                    times[(name, t)].append(elapsed)
+                if t not in want:
+                    want[t] = logits
+                elif not torch.equal(logits, want[t]):
+                    raise SystemExit(f"{name}: logits at T = {t} differ from "
+                                     f"{next(iter(libraries))}'s")
+    print(f"{model} GGUF, context {context}, {torch.get_num_threads()} threads, ms, median of "
+          f"{repeats}, libraries alternating (identical logits)")
+    print(f"{'T':>3}" + "".join(f"{name:>12}" for name in libraries))
+    for t in counts:
+        print(f"{t:>3}" + "".join(f"{statistics.median(times[(n, t)]) * 1e3:>12.1f}"
+                                  for n in libraries))
 
 
 def llamacpp_prices(model: str, context: int, counts: list[int], repeats: int) -> None:

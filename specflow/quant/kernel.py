@@ -163,6 +163,13 @@ def load_build(build: str) -> QuantKernel:
         return QuantKernel(None, build, str(err))
 
 
+def load_library(path: Path, name: str) -> QuantKernel:
+    """A library built elsewhere (other sources, the same flags), loaded under ``name``: to
+    compare two versions of the kernel on one model (``scripts/profile_step.py
+    --kernels``).  ``OSError`` where it does not load."""
+    return QuantKernel(_load(path), name)
+
+
 @functools.cache
 def _builds_here() -> tuple[str, ...]:
     """``runnable_builds()`` read once per process: ``kernel_status`` runs on every product,
