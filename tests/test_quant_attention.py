@@ -99,6 +99,14 @@ def test_a_head_size_that_is_not_a_multiple_of_8_is_refused():
         attend_rows(torch.zeros(1, NH, 12), keys, keys.clone(), chain(3, 1), None, 1.0)
 
 
+def test_more_than_64_query_heads_a_kv_head_are_refused():
+    keys = torch.zeros(1, L, 8)
+    with pytest.raises(ValueError, match="at most 64 a KV head"):
+        attend_rows(torch.zeros(1, 65, 8), keys, keys.clone(), chain(3, 1), None, 1.0)
+    assert attend_rows(torch.ones(1, 64, 8), keys, keys.clone(), chain(3, 1), None,
+                       1.0).shape == (1, 64, 8)
+
+
 VECTOR_BUILDS = [b for b in ("avx512", "avx2") if b in kernel.runnable_builds()]
 
 
