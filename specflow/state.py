@@ -59,10 +59,12 @@ class Draft:
             sampled from, or ``None`` for a deterministic drafter (greedy argmax, prompt
             lookup): q is then one-hot on each token.
         catchup_s: seconds of the proposal spent bringing the drafter's own cache up to the
-            committed tokens before its first drafting step (its lazy prefill, the tokens
-            committed since it last ran), read from ``DecodeState.clock`` like every stage
-            time.  A cost of syncing, not of drafting: draft-length policies subtract it to
-            measure the per-token drafting cost.
+            committed tokens (its lazy prefill, the tokens committed since it last ran),
+            read from ``DecodeState.clock`` like every stage time; where the catch-up rode
+            along in the first drafting step's pass (a model drafter), that pass's share of
+            it by the drafter's row prices (``specflow.drafting.draft_with_model``).  A cost
+            of syncing, not of drafting: draft-length policies subtract it to measure the
+            per-token drafting cost.
         parents: ``None`` for a chain (token i continues token i-1); for a *tree* draft
             (greedy only), node i's parent node (-1: it continues the last committed token),
             ``parents[i] < i``: ``tokens`` are the nodes in topological order and
