@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("MKL_CBWR", "AUTO")
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from specflow.kv.base import LayeredLM  # noqa: E402
 from specflow.kv.session import ModelSession  # noqa: E402
 from specflow.models.loading import load_model  # noqa: E402
 
@@ -80,18 +82,7 @@ def main() -> None:
     if args.int8:
         lm.make_int8_copies()
         lm.set_int8_rows(frozenset(range(1, args.context + max(counts) + 1)))
-    n_layers = lm.info.num_layers
-    gen = torch.Generator().manual_seed(0)
-    vocab = 1000  # ordinary token ids
-    prompt = torch.randint(100, vocab, (args.context + max(counts),), generator=gen).tolist()
-    sess = ModelSession(lm, args.context + max(counts) + 1)
-    sess.set_tokens(prompt[: args.context])
-    sess.hidden(n_layers, args.context - 1)
-
-    def step(t: int) -> None:
-        sess.set_tokens(prompt[: args.context + t - 1])
-        sess.logits(n_layers, args.context - 1, args.context + t - 1)
-        sess.set_tokens(prompt[: args.context - 1])  # back: positions < context-1 computed
+    step = pass_after_context(lm, args.context, max(counts))
 
     for t in counts:  # warm-up
         step(t)
@@ -127,6 +118,26 @@ def main() -> None:
         )
 
 
+def pass_after_context(lm: LayeredLM, context: int, most: int) -> Callable[[int], torch.Tensor]:
+    """A session of ``lm`` holding ``context`` positions of ordinary token ids, and
+    ``step(t)``: a forward of t more positions (logits ``[t, V]``), then rolled back so that
+    every step starts from the same cache (``most``: the largest t)."""
+    n_layers = lm.info.num_layers
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 1000, (context + most,), generator=gen).tolist()
+    sess = ModelSession(lm, context + most + 1)
+    sess.set_tokens(prompt[:context])
+    sess.hidden(n_layers, context - 1)
+
+    def step(t: int) -> torch.Tensor:
+        sess.set_tokens(prompt[: context + t - 1])
+        logits = sess.logits(n_layers, context - 1, context + t - 1)
+        sess.set_tokens(prompt[: context - 1])  # back: positions < context-1 computed
+        return logits
+
+    return step
+
+
 def compare_kernels(model: str, context: int, counts: list[int], repeats: int,
                     kernels: list[str]) -> None:
     """Median ms of a T-row pass over ``context`` positions with each kernel library, the
@@ -144,19 +155,7 @@ def compare_kernels(model: str, context: int, counts: list[int], repeats: int,
     quant_matrix.kernel_status = lambda: first  # the model loads (repacks) with the first
     lm = load_model(model, dtype="float32", backend="auto", trust_remote_code=False,
                     packed_weights=None, weights="gguf").lm
-    n_layers = lm.info.num_layers
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, 1000, (context + max(counts),), generator=gen).tolist()
-    sess = ModelSession(lm, context + max(counts) + 1)
-    sess.set_tokens(prompt[:context])
-    sess.hidden(n_layers, context - 1)
-
-    def step(t: int) -> torch.Tensor:
-        sess.set_tokens(prompt[: context + t - 1])
-        logits = sess.logits(n_layers, context - 1, context + t - 1)
-        sess.set_tokens(prompt[: context - 1])
-        return logits
-
+    step = pass_after_context(lm, context, max(counts))
     times: dict[tuple[str, int], list[float]] = {(n, t): [] for n in libraries for t in counts}
     want: dict[int, torch.Tensor] = {}
     for rep in range(repeats + 1):  # the first round warms up

@@ -42,60 +42,12 @@ constexpr long kParallelWork = 1L << 18;
 // Query heads a KV group may have.
 constexpr int kMaxHeads = 64;
 
-inline float dot8(const float* a, const float* b, int d) {
-  float l[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int c = 0; c < d; c += kLanes) {
-    for (int e = 0; e < kLanes; ++e) l[e] = l[e] + a[c + e] * b[c + e];
-  }
-  return lanes_sum(l);
-}
-
-// The portable path, one head at a time.  Keys whose scores one pass takes together:
-// independent sums, so the adds overlap.
-constexpr int kKeysAtOnce = 4;
-// Output elements one pass over the keys accumulates.
-constexpr int kOutAtOnce = 32;
-
-// s[j] = dot8(q, key j) * scale for the n visible keys (keys(j) -> its position).
-template <typename Keys>
-void scores(const float* q, const float* kg, long n, int d, const Keys& keys, float scale,
-            float* s) {
-  long j = 0;
-  for (; j + kKeysAtOnce <= n; j += kKeysAtOnce) {
-    const float* kp[kKeysAtOnce];
-    for (int u = 0; u < kKeysAtOnce; ++u) kp[u] = kg + keys(j + u) * d;
-    float l[kKeysAtOnce][kLanes] = {};
-    for (int c = 0; c < d; c += kLanes) {
-      for (int u = 0; u < kKeysAtOnce; ++u) {
-        for (int e = 0; e < kLanes; ++e) l[u][e] = l[u][e] + q[c + e] * kp[u][c + e];
-      }
-    }
-    for (int u = 0; u < kKeysAtOnce; ++u) s[j + u] = lanes_sum(l[u]) * scale;
-  }
-  for (; j < n; ++j) s[j] = dot8(q, kg + keys(j) * d, d) * scale;
-}
-
-// out[c] = (sum_j p[j] v_j[c], left to right) / z for the n visible values, columns c0 ..
-// in blocks of W.
-template <int W, typename Keys>
-void weighted_values(const float* p, const float* vg, long n, int d, int c0, const Keys& keys,
-                     float z, float* out) {
-  for (int c = c0; c + W <= d; c += W) {
-    float a[W] = {};
-    for (long j = 0; j < n; ++j) {
-      const float e = p[j];
-      const float* vj = vg + keys(j) * d + c;
-      for (int u = 0; u < W; ++u) a[u] = a[u] + e * vj[u];
-    }
-    for (int u = 0; u < W; ++u) out[c + u] = a[u] / z;
-  }
-}
-
 #if defined(__AVX2__)
 // The AVX2 path attends a group's heads together, so each key and value row is read once for
 // all of them (per head, a group's keys and values were streamed r times: from memory once a
-// long context's cache outgrows the core's cache).  Each head's float sequence is the one
-// above (the same operations in the same order), only interleaved with its neighbours'.
+// long context's cache outgrows the core's cache).  Each head's float sequence is the
+// portable path's below (the same operations in the same order), only interleaved with its
+// neighbours'.
 
 // Heads a pass over the keys scores together (one accumulator each), and whose weighted
 // values a pass over the values sums together (two vectors each: 16 columns).
@@ -171,6 +123,55 @@ void values_chunk(int heads, const float* p, const float* vg, long n, int d, int
     case 4: values_heads<4, V>(p, vg, n, d, c0, keys, z, out); break;
     case 5: values_heads<5, V>(p, vg, n, d, c0, keys, z, out); break;
     default: values_heads<6, V>(p, vg, n, d, c0, keys, z, out); break;
+  }
+}
+#else
+// The portable path, one head at a time: a head's score of one key (module doc).
+inline float dot8(const float* a, const float* b, int d) {
+  float l[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int c = 0; c < d; c += kLanes) {
+    for (int e = 0; e < kLanes; ++e) l[e] = l[e] + a[c + e] * b[c + e];
+  }
+  return lanes_sum(l);
+}
+
+// Keys whose scores one pass takes together: independent sums, so the adds overlap.
+constexpr int kKeysAtOnce = 4;
+// Output elements one pass over the keys accumulates.
+constexpr int kOutAtOnce = 32;
+
+// s[j] = dot8(q, key j) * scale for the n visible keys (keys(j) -> its position).
+template <typename Keys>
+void scores(const float* q, const float* kg, long n, int d, const Keys& keys, float scale,
+            float* s) {
+  long j = 0;
+  for (; j + kKeysAtOnce <= n; j += kKeysAtOnce) {
+    const float* kp[kKeysAtOnce];
+    for (int u = 0; u < kKeysAtOnce; ++u) kp[u] = kg + keys(j + u) * d;
+    float l[kKeysAtOnce][kLanes] = {};
+    for (int c = 0; c < d; c += kLanes) {
+      for (int u = 0; u < kKeysAtOnce; ++u) {
+        for (int e = 0; e < kLanes; ++e) l[u][e] = l[u][e] + q[c + e] * kp[u][c + e];
+      }
+    }
+    for (int u = 0; u < kKeysAtOnce; ++u) s[j + u] = lanes_sum(l[u]) * scale;
+  }
+  for (; j < n; ++j) s[j] = dot8(q, kg + keys(j) * d, d) * scale;
+}
+
+// out[c] = (sum_j p[j] v_j[c], left to right) / z for the n visible values, columns c0 ..
+// in blocks of W.
+template <int W, typename Keys>
+void weighted_values(const float* p, const float* vg, long n, int d, int c0, const Keys& keys,
+                     float z, float* out) {
+  for (int c = c0; c + W <= d; c += W) {
+    float a[W] = {};
+    for (long j = 0; j < n; ++j) {
+      const float e = p[j];
+      const float* vj = vg + keys(j) * d + c;
+      for (int u = 0; u < W; ++u) a[u] = a[u] + e * vj[u];
+    }
+    for (int u = 0; u < W; ++u) out[c + u] = a[u] / z;
   }
 }
 #endif
