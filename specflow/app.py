@@ -92,10 +92,10 @@ def prepare_run(cfg: DictConfig, out: Path) -> PreparedRun:
         torch.set_num_threads(settings.threads)
     if cfg.model.get("quantize") is not None:
         raise ConfigError(
-            f"model.quantize={cfg.model.quantize}: the target's int8 copies would change its "
-            f"outputs, which plain decoding and every lossless pipeline must reproduce; set "
-            f"model.quantize=null and quantize a draft model instead "
-            f"(drafter.model.quantize=int8; docs/usage.md)"
+            f"model.quantize={cfg.model.quantize}: the target's re-quantized weights would "
+            f"change its outputs, which plain decoding and every lossless pipeline must "
+            f"reproduce; set model.quantize=null and quantize a draft model instead "
+            f"(drafter.model.quantize=int8, or q4_0 / q4_1 on GGUF weights; docs/usage.md)"
         )
     if settings.device == "cpu":
         check_models_fit_cpu(cfg)

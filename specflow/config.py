@@ -50,7 +50,9 @@ class ModelConfig:
         quantize: ``int8``: weight-only int8 copies of the matrices too, multiplied at the
             row counts where the row probe finds them faster (a draft model's steps); the
             outputs change slightly, so only draft models take it (the target is refused).
-            null: none.
+            With ``weights: gguf``: ``q4_0`` | ``q4_1``: the file's blocks of more bits a
+            weight re-quantized to that type at load (``specflow.quant.requantize``; draft
+            models only too).  null: none.
         weights: ``float``: the weights as float tensors (a GGUF file dequantized);
             ``gguf``: the GGUF file's quantized blocks as published, multiplied by the
             quantized rows kernel (``specflow.models.gguf_native``; ``conf/model/*-gguf.yaml``).

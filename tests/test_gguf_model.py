@@ -233,3 +233,56 @@ def test_a_quantized_drafter_with_a_vocabulary_subset_keeps_the_targets_tokens(
     pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(),
                                drafter=ModelDrafter(draft_lm, k=3, vocab_subset=40))
     assert decode(pipe, batch_size) == plain_tokens
+
+
+# --- a draft model's blocks re-quantized to 4 bits (model.quantize=q4_0 | q4_1) ----------------
+
+@pytest.mark.parametrize("kind,source", [("q4_0", T.Q8_0), ("q4_0", T.Q6_K), ("q4_1", T.Q5_0),
+                                         ("q4_1", T.Q8_0)])
+def test_a_requantized_part_holds_ggmls_reference_blocks_of_its_decoded_values(kind, source):
+    from specflow.quant.matrix import dequantize as decode_part
+    from specflow.quant.matrix import part_from_numpy
+    from specflow.quant.requantize import REQUANTIZE_TYPES, requantize_part
+
+    w = np.random.default_rng(0).normal(0, 0.05, (40, 512)).astype(np.float32)
+    part = part_from_numpy(int(source), quantize(w, source), 512)
+    got = requantize_part(part, kind)
+    target = T(REQUANTIZE_TYPES[kind])
+    assert (got.ggml_type, got.rows, got.cols) == (int(target), 40, 512)
+    assert got.nbytes < part.nbytes
+    values = decode_part(part).numpy()  # what the file's blocks hold, as ggml decodes them
+    want = dequantize(quantize(values, target), target)  # gguf-py's reference, round trip
+    assert np.array_equal(decode_part(got).numpy(), want)
+
+
+@pytest.mark.parametrize("kind,source", [("q4_0", T.Q4_K), ("q4_0", T.Q4_0), ("q4_1", T.Q4_0),
+                                         ("q4_1", T.Q4_1)])
+def test_a_part_of_no_more_bits_than_the_chosen_type_is_kept_as_the_file_holds_it(kind, source):
+    from specflow.quant.matrix import part_from_numpy
+    from specflow.quant.requantize import requantize_part
+
+    w = np.random.default_rng(1).normal(0, 0.05, (16, 256)).astype(np.float32)
+    part = part_from_numpy(int(source), quantize(w, source), 256)
+    assert requantize_part(part, kind) is part
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_requantized_drafter_keeps_the_targets_tokens(batch_size, gguf_target, gguf_drafter,
+                                                        plain_tokens, tmp_path):
+    """The drafter's file (every type of ``TYPES``) re-quantized to Q4_0: each part of more
+    bits than 4.5 a weight becomes Q4_0, the rest keep the file's blocks (the embedding,
+    only looked up, too); its drafts change, the target's tokens do not."""
+    hf = tiny_hf_model("llama", seed=1, num_layers=2, hidden_size=256)
+    write_gguf(hf, tmp_path / "drafter.gguf", TYPES)
+    info = tiny_model_info(hf, "tiny-gguf-drafter-q4_0")
+    draft_lm = native_from_gguf(tmp_path / "drafter.gguf", hf.config, info, requantize="q4_0")
+    layer = draft_lm.layers[0]
+    kinds = {name: [T(p.ggml_type).name for p in getattr(layer, name).parts]
+             for name in ("wqkv", "wo", "w_gate_up", "w_down")}
+    assert kinds == {"wqkv": ["Q4_K", "Q4_0", "Q4_0"], "wo": ["Q4_0"],
+                     "w_gate_up": ["Q4_K", "Q4_0"], "w_down": ["Q4_0"]}
+    assert T(draft_lm.lm_head.parts[0].ggml_type) == T.Q4_0  # the file's Q4_0, kept
+    assert T(draft_lm.embed_weight.parts[0].ggml_type) == T.Q8_0
+    assert loaded_bytes(draft_lm) < loaded_bytes(gguf_drafter[1])
+    lm = gguf_target[1]
+    assert decode(build("sps", lm, draft_lm), batch_size) == plain_tokens

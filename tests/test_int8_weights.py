@@ -150,10 +150,12 @@ def test_load_model_makes_int8_copies_and_refuses_bad_values(tmp_path):
         _load(folder, backend="hf", quantize="int8")
 
 
-def test_a_quantized_target_is_refused(tmp_path):
-    cfg = _compose(["model.quantize=int8"])
-    with pytest.raises(ConfigError, match=r"model.quantize=int8: the target's int8 copies "
-                                          r"would change its outputs.*drafter.model.quantize"):
+@pytest.mark.parametrize("kind", ["int8", "q4_0"])
+def test_a_quantized_target_is_refused(kind, tmp_path):
+    cfg = _compose([f"model.quantize={kind}"])
+    with pytest.raises(ConfigError, match=rf"model.quantize={kind}: the target's re-quantized "
+                                          r"weights would change its outputs.*"
+                                          r"drafter.model.quantize=int8, or q4_0 / q4_1"):
         prepare_run(cfg, tmp_path / "out")
 
 

@@ -36,6 +36,7 @@ from specflow.kv.base import ModelInfo
 from specflow.models.native import NativeLM, _Layer, _rope_params, supports
 from specflow.quant.matrix import QuantMatrix, QuantPart, check_part, part_from_numpy
 from specflow.quant.memory import release_pages
+from specflow.quant.requantize import requantize_part
 
 log = logging.getLogger("specflow")
 
@@ -100,9 +101,13 @@ def _cat_bias(parts: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor | No
     return torch.cat([b if b is not None else torch.zeros(n) for b, n in parts])
 
 
-def native_from_gguf(path: str | Path, hf_config: Any, info: ModelInfo) -> NativeLM:
+def native_from_gguf(path: str | Path, hf_config: Any, info: ModelInfo,
+                     requantize: str | None = None) -> NativeLM:
     """Build the quantized ``NativeLM`` of the GGUF file ``path`` (module doc);
-    ``hf_config`` is the model's Hugging Face config (heads, RoPE, norms)."""
+    ``hf_config`` is the model's Hugging Face config (heads, RoPE, norms).  ``requantize``
+    (``q4_0``, ``q4_1``; a draft model's ``model.quantize``): every matrix a pass multiplies
+    re-quantized to that type (``specflow.quant.requantize``); the embedding too where it is
+    the LM head, else it keeps the file's blocks (it is only looked up)."""
     ok, why = supports(hf_config)
     if not ok:
         raise ConfigError(f"{info.name}: model.weights=gguf runs the native backend, which does "
@@ -113,29 +118,37 @@ def native_from_gguf(path: str | Path, hf_config: Any, info: ModelInfo) -> Nativ
     llama = hf_config.model_type == "llama"
     q_order = unpermute_rows(heads * head_dim, heads) if llama else None
     k_order = unpermute_rows(kv_heads * head_dim, kv_heads) if llama else None
+
+    def part(name: str, row_order: np.ndarray | None = None) -> QuantPart:
+        got = tensors.part(name, row_order)
+        return got if requantize is None else requantize_part(got, requantize)
+
     layers = []
     for n in range(info.num_layers):
         p = f"blk.{n}."
-        q = tensors.part(p + "attn_q.weight", q_order)
-        k = tensors.part(p + "attn_k.weight", k_order)
-        v = tensors.part(p + "attn_v.weight")
-        gate, up = tensors.part(p + "ffn_gate.weight"), tensors.part(p + "ffn_up.weight")
+        q = part(p + "attn_q.weight", q_order)
+        k = part(p + "attn_k.weight", k_order)
+        v = part(p + "attn_v.weight")
+        gate, up = part(p + "ffn_gate.weight"), part(p + "ffn_up.weight")
         layers.append(_Layer(
             ln1=tensors.vector(p + "attn_norm.weight"),
             wqkv=QuantMatrix((q, k, v)),
             bqkv=_cat_bias([(_bias(tensors, p + "attn_q.bias", q_order), q.rows),
                             (_bias(tensors, p + "attn_k.bias", k_order), k.rows),
                             (_bias(tensors, p + "attn_v.bias"), v.rows)]),
-            wo=QuantMatrix((tensors.part(p + "attn_output.weight"),)),
+            wo=QuantMatrix((part(p + "attn_output.weight"),)),
             bo=_bias(tensors, p + "attn_output.bias"),
             ln2=tensors.vector(p + "ffn_norm.weight"),
             w_gate_up=QuantMatrix((gate, up)),
             b_gate_up=None,
-            w_down=QuantMatrix((tensors.part(p + "ffn_down.weight"),)),
+            w_down=QuantMatrix((part(p + "ffn_down.weight"),)),
             b_down=None,
         ))
-    embed = QuantMatrix((tensors.part("token_embd.weight"),))
-    head = QuantMatrix((tensors.part("output.weight"),)) if "output.weight" in tensors else embed
+    if "output.weight" in tensors:
+        embed = QuantMatrix((tensors.part("token_embd.weight"),))
+        head = QuantMatrix((part("output.weight"),))
+    else:  # tied: the LM head is the embedding
+        embed = head = QuantMatrix((part("token_embd.weight"),))
     rope = _rope_params(hf_config)
     return NativeLM(
         info,

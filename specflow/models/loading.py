@@ -34,6 +34,7 @@ from specflow.cpu.int8_weights import QUANTIZE_CHOICES
 from specflow.errors import ConfigError, ModelNotFoundError
 from specflow.kv.base import LayeredLM, ModelInfo, check_same_tokenizer  # noqa: F401 (re-export)
 from specflow.models.registry import REGISTRY
+from specflow.quant.requantize import REQUANTIZE_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,10 @@ def _load_gguf_model(name_or_path: str, dtype: str, backend: str, packed_weights
         "dtype": (dtype in ("float32", "auto"), f"model.dtype={dtype}", "model.dtype=float32"),
         "backend": (backend in ("auto", "native"), f"model.backend={backend}",
                     "model.backend=auto"),
-        "quantize": (quantize is None, f"model.quantize={quantize}", "model.quantize=null"),
+        "quantize": (quantize is None or quantize in REQUANTIZE_TYPES,
+                     f"model.quantize={quantize}",
+                     f"model.quantize=null (or {' or '.join(REQUANTIZE_TYPES)}: a draft "
+                     "model's blocks re-quantized to 4 bits)"),
         "packed": (not packed_weights, "model.packed_weights=true",
                    "model.packed_weights=null"),
     }
@@ -370,7 +374,7 @@ def _load_gguf_model(name_or_path: str, dtype: str, backend: str, packed_weights
                               f"backend); set {fix}, or model.weights=float")
     path = Path(name_or_path).expanduser()
     name = name_or_path if name_or_path in REGISTRY or not path.exists() else str(path.resolve())
-    key = (name, "float32", "native", None, None, "gguf")
+    key = (name, "float32", "native", None, quantize, "gguf")
     if key in _MODELS:
         return _MODELS[key]
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -405,12 +409,15 @@ def _load_gguf_model(name_or_path: str, dtype: str, backend: str, packed_weights
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         weights_fingerprint=gguf_fingerprint(gguf),
     )
-    lm = native_from_gguf(gguf, cfg, info)
+    if quantize is not None:  # other weights: heads and tables made for the file's refused
+        digest = hashlib.sha256(f"{info.weights_fingerprint};{quantize}".encode())
+        info = replace(info, weights_fingerprint=digest.hexdigest()[:16])
+    lm = native_from_gguf(gguf, cfg, info, requantize=quantize)
     if lm.embed_weight.shape[0] != info.vocab_size:
         info = replace(info, vocab_size=int(lm.embed_weight.shape[0]))
         lm.info = info
-    log.info("%s: the GGUF file's quantized weights (%s, %.2f GiB)", info.name, gguf,
-             loaded_bytes(lm) / 2**30)
+    log.info("%s: the GGUF file's quantized weights (%s%s, %.2f GiB)", info.name, gguf,
+             f", re-quantized to {quantize}" if quantize else "", loaded_bytes(lm) / 2**30)
     loaded = LoadedModel(lm=lm, tokenizer=tokenizer, hf_model=None, info=info)
     _MODELS[key] = loaded
     return loaded
