@@ -144,8 +144,12 @@ def test_load_model_makes_int8_copies_and_refuses_bad_values(tmp_path):
     assert loaded.lm.int8_layers and loaded.lm.int8_head is not None
     assert _load(folder) is not loaded  # cached apart from the unquantized model
     assert not _load(folder).lm.int8_layers
-    with pytest.raises(ConfigError, match=r"model.quantize='int4' is unknown; use one of int8"):
+    with pytest.raises(ConfigError, match=r"model.quantize='int4' is unknown; use one of int8 "
+                                          r"or null \(with model.weights=gguf: q4_0, q4_1"):
         _load(folder, quantize="int4")
+    with pytest.raises(ConfigError, match=r"model.quantize=q4_0 re-quantizes a GGUF file's "
+                                          r"blocks: it goes with model.weights=gguf"):
+        _load(folder, quantize="q4_0")
     with pytest.raises(ConfigError, match="needs the native backend"):
         _load(folder, backend="hf", quantize="int8")
 

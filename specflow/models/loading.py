@@ -319,9 +319,14 @@ def load_model(
     if weights == "gguf":
         return _load_gguf_model(name_or_path, dtype, backend, packed_weights, quantize, cache_dir)
     torch_dtype = resolve_dtype(dtype)  # a clear error for an unknown name
+    if quantize in REQUANTIZE_TYPES:
+        raise ConfigError(f"model.quantize={quantize} re-quantizes a GGUF file's blocks: it "
+                          f"goes with model.weights=gguf (float weights take "
+                          f"{', '.join(QUANTIZE_CHOICES)} or null)")
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ConfigError(f"model.quantize={quantize!r} is unknown; use one of "
-                          f"{', '.join(QUANTIZE_CHOICES)} or null")
+                          f"{', '.join(QUANTIZE_CHOICES)} or null (with model.weights=gguf: "
+                          f"{', '.join(REQUANTIZE_TYPES)} or null)")
     dtype = str(torch_dtype).removeprefix("torch.")  # auto -> what it resolved to
     if packed_weights:
         check_cpu_weights(name_or_path, "", dtype, packed_weights)
