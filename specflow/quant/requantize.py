@@ -49,11 +49,6 @@ def requantize_part(part: QuantPart, kind: str) -> QuantPart:
     return part_from_numpy(target, np.concatenate(chunks), part.cols)
 
 
-def requantize_matrix(matrix: QuantMatrix, kind: str) -> QuantMatrix:
-    """Each part of ``matrix`` through ``requantize_part``."""
-    return QuantMatrix(tuple(requantize_part(part, kind) for part in matrix.parts))
-
-
 def _rows(part: QuantPart, start: int, rows: int) -> np.ndarray:
     """Rows ``start .. start + rows - 1`` of ``part`` decoded to float32 ``[rows, cols]``, as
     ggml decodes them."""
