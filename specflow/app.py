@@ -92,8 +92,9 @@ def prepare_run(cfg: DictConfig, out: Path) -> PreparedRun:
         torch.set_num_threads(settings.threads)
     if cfg.model.get("quantize") is not None:
         raise ConfigError(
-            f"model.quantize={cfg.model.quantize}: the target's re-quantized weights would "
-            f"change its outputs, which plain decoding and every lossless pipeline must "
+            f"model.quantize={cfg.model.quantize}: the target's quantized copies or "
+            f"re-quantized blocks would change its outputs, which plain decoding and every "
+            f"lossless pipeline must "
             f"reproduce; set model.quantize=null and quantize a draft model instead "
             f"(drafter.model.quantize=int8, or q4_0 / q4_1 on GGUF weights; docs/usage.md)"
         )

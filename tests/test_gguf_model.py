@@ -239,11 +239,13 @@ def test_a_quantized_drafter_with_a_vocabulary_subset_keeps_the_targets_tokens(
 
 @pytest.mark.parametrize("kind,source", [("q4_0", T.Q8_0), ("q4_0", T.Q6_K), ("q4_1", T.Q5_0),
                                          ("q4_1", T.Q8_0)])
-def test_a_requantized_part_holds_ggmls_reference_blocks_of_its_decoded_values(kind, source):
+def test_a_requantized_part_holds_ggmls_reference_blocks_of_its_decoded_values(kind, source,
+                                                                               monkeypatch):
     from specflow.quant.matrix import dequantize as decode_part
     from specflow.quant.matrix import part_from_numpy
     from specflow.quant.requantize import REQUANTIZE_TYPES, requantize_part
 
+    monkeypatch.setattr("specflow.quant.requantize.CHUNK_ROWS", 16)  # chunks 16, 16 and 8 rows
     w = np.random.default_rng(0).normal(0, 0.05, (40, 512)).astype(np.float32)
     part = part_from_numpy(int(source), quantize(w, source), 512)
     got = requantize_part(part, kind)
@@ -267,12 +269,13 @@ def test_a_part_of_no_more_bits_than_the_chosen_type_is_kept_as_the_file_holds_i
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_a_requantized_drafter_keeps_the_targets_tokens(batch_size, gguf_target, gguf_drafter,
-                                                        plain_tokens, tmp_path):
+def test_a_requantized_drafter_keeps_the_targets_tokens(batch_size, gguf_target, plain_tokens,
+                                                        tmp_path):
     """The drafter's file (every type of ``TYPES``) re-quantized to Q4_0: each part of more
     bits than 4.5 a weight becomes Q4_0, the rest keep the file's blocks (the embedding,
     only looked up, too); its drafts change, the target's tokens do not."""
-    hf = tiny_hf_model("llama", seed=1, num_layers=2, hidden_size=256)
+    # weights of a trained model's scale (see the test of the dequantized twin above)
+    hf = tiny_hf_model("llama", seed=1, num_layers=2, hidden_size=256, initializer_range=0.05)
     write_gguf(hf, tmp_path / "drafter.gguf", TYPES)
     info = tiny_model_info(hf, "tiny-gguf-drafter-q4_0")
     draft_lm = native_from_gguf(tmp_path / "drafter.gguf", hf.config, info, requantize="q4_0")
@@ -283,6 +286,38 @@ def test_a_requantized_drafter_keeps_the_targets_tokens(batch_size, gguf_target,
                      "w_gate_up": ["Q4_K", "Q4_0"], "w_down": ["Q4_0"]}
     assert T(draft_lm.lm_head.parts[0].ggml_type) == T.Q4_0  # the file's Q4_0, kept
     assert T(draft_lm.embed_weight.parts[0].ggml_type) == T.Q8_0
-    assert loaded_bytes(draft_lm) < loaded_bytes(gguf_drafter[1])
+    published_lm = native_from_gguf(tmp_path / "drafter.gguf", hf.config, info)
+    assert loaded_bytes(draft_lm) < loaded_bytes(published_lm)
+    # its logits stay the published drafter's, up to the 4-bit rounding
+    published = pipe_logits(published_lm, PROMPTS[1])  # [T, V]
+    got = pipe_logits(draft_lm, PROMPTS[1])
+    assert not torch.equal(got, published)
+    rel = ((got - published).norm() / published.norm()).item()
+    agree = (got.argmax(-1) == published.argmax(-1)).float().mean().item()
+    assert rel < 0.35 and agree >= 0.6  # random weights' 4-bit rounding (unrelated: rel ~1.4)
     lm = gguf_target[1]
     assert decode(build("sps", lm, draft_lm), batch_size) == plain_tokens
+
+
+def test_a_tied_embedding_is_requantized_with_the_lm_head_it_is(tmp_path):
+    hf = tiny_hf_model("llama", seed=2, num_layers=2, hidden_size=256, tie_word_embeddings=True)
+    write_gguf(hf, tmp_path / "tied.gguf", TYPES)  # no output.weight: the Q8_0 embedding
+    info = tiny_model_info(hf, "tiny-gguf-tied")
+    lm = native_from_gguf(tmp_path / "tied.gguf", hf.config, info, requantize="q4_1")
+    assert lm.embed_weight is lm.lm_head and T(lm.lm_head.parts[0].ggml_type) == T.Q4_1
+    published = native_from_gguf(tmp_path / "tied.gguf", hf.config, info)
+    rel = ((lm.embed_weight.rows_of(torch.arange(8)) - published.embed_weight.rows_of(
+        torch.arange(8))).norm() / published.embed_weight.rows_of(torch.arange(8)).norm()).item()
+    assert 0.0 < rel < 0.2  # its lookups read the 4-bit values
+
+
+def test_requantized_weights_have_their_own_fingerprint_and_a_bad_kind_is_refused(gguf_drafter):
+    from specflow.quant.requantize import requantize_part, requantized_fingerprint
+
+    file_fp = "0123456789abcdef"
+    prints = {requantized_fingerprint(file_fp, kind) for kind in ("q4_0", "q4_1")}
+    assert len(prints) == 2 and file_fp not in prints and all(len(p) == 16 for p in prints)
+    assert requantized_fingerprint("fedcba9876543210", "q4_0") not in prints
+    with pytest.raises(ConfigError, match=r"model.quantize='int4' cannot re-quantize GGUF "
+                                          r"blocks; use one of q4_0, q4_1 or null"):
+        requantize_part(gguf_drafter[1].layers[0].wo.parts[0], "int4")

@@ -157,8 +157,9 @@ def test_load_model_makes_int8_copies_and_refuses_bad_values(tmp_path):
 @pytest.mark.parametrize("kind", ["int8", "q4_0"])
 def test_a_quantized_target_is_refused(kind, tmp_path):
     cfg = _compose([f"model.quantize={kind}"])
-    with pytest.raises(ConfigError, match=rf"model.quantize={kind}: the target's re-quantized "
-                                          r"weights would change its outputs.*"
+    with pytest.raises(ConfigError, match=rf"model.quantize={kind}: the target's quantized "
+                                          r"copies or re-quantized blocks would change its "
+                                          r"outputs.*"
                                           r"drafter.model.quantize=int8, or q4_0 / q4_1"):
         prepare_run(cfg, tmp_path / "out")
 

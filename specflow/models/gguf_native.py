@@ -105,9 +105,11 @@ def native_from_gguf(path: str | Path, hf_config: Any, info: ModelInfo,
                      requantize: str | None = None) -> NativeLM:
     """Build the quantized ``NativeLM`` of the GGUF file ``path`` (module doc);
     ``hf_config`` is the model's Hugging Face config (heads, RoPE, norms).  ``requantize``
-    (``q4_0``, ``q4_1``; a draft model's ``model.quantize``): every matrix a pass multiplies
-    re-quantized to that type (``specflow.quant.requantize``); the embedding too where it is
-    the LM head, else it keeps the file's blocks (it is only looked up)."""
+    (``q4_0``, ``q4_1``; a draft model's ``model.quantize``): each matrix a pass multiplies
+    whose type holds more bits a weight re-quantized to that type (``specflow.quant.requantize``;
+    Q4_K and fewer-bit types are kept); the embedding too where it is the LM head (its
+    lookups then read the 4-bit values), else it keeps the file's blocks (it is only looked
+    up)."""
     ok, why = supports(hf_config)
     if not ok:
         raise ConfigError(f"{info.name}: model.weights=gguf runs the native backend, which does "

@@ -34,7 +34,7 @@ from specflow.cpu.int8_weights import QUANTIZE_CHOICES
 from specflow.errors import ConfigError, ModelNotFoundError
 from specflow.kv.base import LayeredLM, ModelInfo, check_same_tokenizer  # noqa: F401 (re-export)
 from specflow.models.registry import REGISTRY
-from specflow.quant.requantize import REQUANTIZE_TYPES
+from specflow.quant.requantize import REQUANTIZE_TYPES, requantized_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +300,10 @@ def load_model(
         quantize: ``int8``: the native model also keeps weight-only int8 copies of its
             matrices (``specflow.cpu.int8_weights``), used at the row counts where the row
             probe finds them faster (``specflow.cpu.row_padding``); its outputs then
-            differ slightly from the model's own: for draft models.  ``None``: none.
+            differ slightly from the model's own: for draft models.  With
+            ``weights="gguf"``: ``q4_0`` or ``q4_1``, the file's blocks of more bits a weight
+            re-quantized to that type at load (``specflow.quant.requantize``; draft models
+            too).  ``None``: none.
         weights: ``float``: the weights as float tensors of ``dtype`` (a GGUF file is
             dequantized).  ``gguf``: a GGUF file's quantized blocks as published, kept in
             memory as they are and multiplied by the quantized rows kernel
@@ -414,9 +417,9 @@ def _load_gguf_model(name_or_path: str, dtype: str, backend: str, packed_weights
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         weights_fingerprint=gguf_fingerprint(gguf),
     )
-    if quantize is not None:  # other weights: heads and tables made for the file's refused
-        digest = hashlib.sha256(f"{info.weights_fingerprint};{quantize}".encode())
-        info = replace(info, weights_fingerprint=digest.hexdigest()[:16])
+    if quantize is not None:  # other weights than the file's: their own fingerprint
+        info = replace(info, weights_fingerprint=requantized_fingerprint(
+            info.weights_fingerprint, quantize))
     lm = native_from_gguf(gguf, cfg, info, requantize=quantize)
     if lm.embed_weight.shape[0] != info.vocab_size:
         info = replace(info, vocab_size=int(lm.embed_weight.shape[0]))
