@@ -840,17 +840,62 @@ void tile_outputs(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq,
 // (lane i: values 4i .. 4i+3) in 8 accumulators whose vector lanes are weight rows, and the
 // offset in a ninth; each weight row's float sequence is block32_row's, finish included.  A
 // tile's bytes are read once per activation row and half (from cache after the first).
+constexpr int tile32_bytes(int type) {  // a row's block in the file (and in a tile)
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : 34;
+}
+
+// Step st of half h of a Q4_0 / Q4_1 / Q5_0 tile block t: the codes of lane st (the low
+// nibbles) and of lane st + 4 (the high ones) of 8 weight rows; Q5_0's fifth bits (qh, the
+// half's 32 bytes of them) added as 0x10 (values 4st + e and 16 + 4st + e: bits 4st + e and
+// 16 + 4st + e).
+template <int TYPE>
+__attribute__((always_inline)) inline void nibble_codes(const uint8_t* t, int st, int h,
+                                                        __m256i qh, __m256i* lo, __m256i* hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(t + tile32_codes(TYPE) + st * 64 + 32 * h));
+  *lo = _mm256_and_si256(v, m4);
+  *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  if (TYPE == kQ5_0) {  // byte e of a row's 4 takes bit e of the byte broadcast to them
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    const __m256i bit = _mm256_set1_epi32(0x08040201), fifth = _mm256_set1_epi8(0x10);
+    const __m256i bl = _mm256_and_si256(
+        _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 4 * st), spread), bit);
+    const __m256i bh = _mm256_and_si256(
+        _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 16 + 4 * st), spread), bit);
+    *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_cmpeq_epi8(bl, bit), fifth));
+    *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_cmpeq_epi8(bh, bit), fifth));
+  }
+}
+
+// Step st's codes (lo, hi) against one activation row's block xb into lanes st and st + 4.
+__attribute__((always_inline)) inline void nibble_step(__m256i lo, __m256i hi, const int8_t* xb,
+                                                       int st, __m256 dd, __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i l0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * st)), ones);
+  const __m256i l1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * st)), ones);
+  acc[st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l0), dd, acc[st]);
+  acc[st + 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l1), dd, acc[st + 4]);
+}
+
+// The 8 lanes' sums and the offset of 8 weight rows -> their `here` outputs at out.
+inline void store_lanes(const __m256* acc, __m256 off, float* out, int here) {
+  const __m256 sum = _mm256_add_ps(
+      _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
+      _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
+  alignas(32) float v[8];
+  _mm256_store_ps(v, _mm256_add_ps(sum, off));
+  for (int i = 0; i < here; ++i) out[i] = v[i];
+}
+
 template <int TYPE>
 void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, int mc, float* y,
                  long ldy, long n0, int nvalid) {
-  constexpr int kBytes = TYPE == kQ4_0 ? 18 : TYPE == kQ4_1 ? 20 : TYPE == kQ5_0 ? 22 : 34;
+  constexpr int kBytes = tile32_bytes(TYPE);
   constexpr int kCodes = tile32_codes(TYPE);
-  // Q5_0: byte e of a row's 4 takes bit e of the byte broadcast to them, as 0x10
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
-                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-  const __m256i bit = _mm256_set1_epi32(0x08040201), fifth = _mm256_set1_epi8(0x10);
   const long nd = xq.K / 32, n16 = xq.K / 16;
-  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
   const int halves = nvalid > 8 ? 2 : 1;
   for (int r = 0; r < mc; ++r) {
     const int m = m0 + r;
@@ -879,36 +924,17 @@ void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, in
             const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), xs), ones);
             acc[st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), dd, acc[st]);
           }
-        } else {  // step st: lane st from the low nibbles, lane st + 4 from the high ones
+        } else {
           __m256i qh = _mm256_setzero_si256();
           if (TYPE == kQ5_0) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 32 * h));
           for (int st = 0; st < 4; ++st) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kCodes + st * 64 + 32 * h));
-            __m256i lo = _mm256_and_si256(v, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            if (TYPE == kQ5_0) {  // values 4st + e and 16 + 4st + e: bits 4st + e, 16 + 4st + e
-              const __m256i bl = _mm256_and_si256(
-                  _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 4 * st), spread), bit);
-              const __m256i bh = _mm256_and_si256(
-                  _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 16 + 4 * st), spread), bit);
-              lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(bl, bit), fifth));
-              hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(bh, bit), fifth));
-            }
-            const __m256i l0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * st)), ones);
-            const __m256i l1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * st)), ones);
-            acc[st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l0), dd, acc[st]);
-            acc[st + 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l1), dd, acc[st + 4]);
+            __m256i lo, hi;
+            nibble_codes<TYPE>(t, st, h, qh, &lo, &hi);
+            nibble_step(lo, hi, xb, st, dd, acc);
           }
         }
       }
-      const __m256 sum = _mm256_add_ps(
-          _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
-          _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
-      alignas(32) float v[8];
-      _mm256_store_ps(v, _mm256_add_ps(sum, off));
-      const int here = nvalid - 8 * h < 8 ? nvalid - 8 * h : 8;
-      float* out = y + m * ldy + n0 + 8 * h;
-      for (int i = 0; i < here; ++i) out[i] = v[i];
+      store_lanes(acc, off, y + m * ldy + n0 + 8 * h, nvalid - 8 * h < 8 ? nvalid - 8 * h : 8);
     }
   }
 }
@@ -926,13 +952,8 @@ constexpr int kQ5GroupFrom = 3;  // activation rows from which Q5_0 tiles take t
 
 void tile32_rows_q5_group(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, int mc,
                           float* y, long ldy, long n0, int nvalid) {
-  constexpr int kBytes = 22;
-  constexpr int kCodes = tile32_codes(kQ5_0);
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
-                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-  const __m256i bit = _mm256_set1_epi32(0x08040201), fifth = _mm256_set1_epi8(0x10);
+  constexpr int kBytes = tile32_bytes(kQ5_0);
   const long nd = xq.K / 32, n16 = xq.K / 16;
-  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
   const int halves = nvalid > 8 ? 2 : 1;
   for (int h = 0; h < halves; ++h) {
     __m256 acc[kRowsChunk][8];
@@ -947,17 +968,7 @@ void tile32_rows_q5_group(const uint8_t* tile, long nblocks, const Q8Rows& xq, i
       const __m256 a = _mm256_mul_ps(_mm256_set1_ps(-16.0f), d);
       __m256i code[8];  // step st: lane st from the low nibbles, lane st + 4 from the high ones
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 32 * h));
-      for (int st = 0; st < 4; ++st) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kCodes + st * 64 + 32 * h));
-        const __m256i bl = _mm256_and_si256(
-            _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 4 * st), spread), bit);
-        const __m256i bh = _mm256_and_si256(
-            _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 16 + 4 * st), spread), bit);
-        code[st] = _mm256_or_si256(_mm256_and_si256(v, m4),
-                                   _mm256_and_si256(_mm256_cmpeq_epi8(bl, bit), fifth));
-        code[st + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                                       _mm256_and_si256(_mm256_cmpeq_epi8(bh, bit), fifth));
-      }
+      for (int st = 0; st < 4; ++st) nibble_codes<kQ5_0>(t, st, h, qh, &code[st], &code[st + 4]);
       for (int r = 0; r < mc; ++r) {
         const int m = m0 + r;
         const __m256 dx = _mm256_set1_ps(xq.d[m * nd + b]);
@@ -965,25 +976,11 @@ void tile32_rows_q5_group(const uint8_t* tile, long nblocks, const Q8Rows& xq, i
         const int16_t* bs = xq.bsum.data() + m * n16 + 2 * b;
         off[r] = _mm256_fmadd_ps(_mm256_mul_ps(a, dx), _mm256_set1_ps(static_cast<float>(bs[0] + bs[1])), off[r]);
         const int8_t* xb = block_at(xq, m, 0) + 32 * b;
-        for (int st = 0; st < 4; ++st) {
-          const __m256i l0 = _mm256_madd_epi16(_mm256_maddubs_epi16(code[st], bcast4(xb + 4 * st)), ones);
-          const __m256i l1 = _mm256_madd_epi16(_mm256_maddubs_epi16(code[st + 4], bcast4(xb + 16 + 4 * st)), ones);
-          acc[r][st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l0), dd, acc[r][st]);
-          acc[r][st + 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l1), dd, acc[r][st + 4]);
-        }
+        for (int st = 0; st < 4; ++st) nibble_step(code[st], code[st + 4], xb, st, dd, acc[r]);
       }
     }
     const int here = nvalid - 8 * h < 8 ? nvalid - 8 * h : 8;
-    for (int r = 0; r < mc; ++r) {
-      const __m256* ar = acc[r];
-      const __m256 sum = _mm256_add_ps(
-          _mm256_add_ps(_mm256_add_ps(ar[0], ar[4]), _mm256_add_ps(ar[2], ar[6])),
-          _mm256_add_ps(_mm256_add_ps(ar[1], ar[5]), _mm256_add_ps(ar[3], ar[7])));
-      alignas(32) float v[8];
-      _mm256_store_ps(v, _mm256_add_ps(sum, off[r]));
-      float* out = y + (m0 + r) * ldy + n0 + 8 * h;
-      for (int i = 0; i < here; ++i) out[i] = v[i];
-    }
+    for (int r = 0; r < mc; ++r) store_lanes(acc[r], off[r], y + (m0 + r) * ldy + n0 + 8 * h, here);
   }
 }
 #endif
