@@ -150,6 +150,49 @@ def test_token_trees_give_the_quantized_models_own_greedy_tokens(batch_size, ggu
     assert decode(pipe, batch_size) == plain_tokens
 
 
+def test_the_fused_forward_computes_the_layer_loops_bits(gguf_target):
+    from specflow.kv.session import ModelSession, forward_logits
+
+    lm = gguf_target[1]
+    n = lm.info.num_layers
+    prompt = [1, 5, 9, 17, 33, 5, 9, 2, 40, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    fused, loop = ModelSession(lm, 40), ModelSession(lm, 40)
+    loop.fused = None  # every forward through the layer loop
+    assert fused.fused is not None
+    for length in (9, 10, 13, 18, 19):  # a prefill of 9 rows, then 1, 3, 5 and 1 more rows
+        got = []
+        for sess in (fused, loop):
+            start = len(sess.tokens)
+            sess.set_tokens(prompt[:length])
+            got.append(forward_logits([(sess, n, max(start - 1, 0), length)])[0])
+        assert torch.equal(got[0], got[1])
+        for a, b in zip(fused.caches, loop.caches, strict=True):
+            assert a.length == b.length == length
+            assert torch.equal(a.k[:, :length], b.k[:, :length])
+            assert torch.equal(a.v[:, :length], b.v[:, :length])
+    assert fused.fused.steps == 5 and fused.layer_evals == loop.layer_evals == 19 * n
+    # a token tree and a batch of two sequences run the layer loop
+    fused.set_tree(prompt[:19], [20, 21, 22], [-1, 0, -1])
+    forward_logits([(fused, n, 18, 22)])
+    other = ModelSession(lm, 40)
+    other.set_tokens(prompt[:3])
+    fused.set_tokens(prompt[:20])
+    forward_logits([(fused, n, 19, 20), (other, n, 0, 3)])
+    assert fused.fused.steps == 5
+
+
+def test_no_fused_forward_where_the_layer_loop_must_run(gguf_target):
+    from specflow.kv.contiguous import layer_caches
+    from specflow.models.native import NativeLM
+
+    float_lm = NativeLM.from_hf(gguf_target[2], tiny_model_info(gguf_target[2], "twin"))
+    assert float_lm.fused_forward(layer_caches(float_lm, 8)) is None  # float weights
+    lm = gguf_target[1]
+    caches = layer_caches(lm, 8)
+    assert lm.fused_forward(caches) is not None
+    assert lm.fused_forward(caches[:-1]) is None  # not one cache a layer
+
+
 def test_sampling_follows_the_quantized_targets_law(gguf_target, gguf_drafter):
     lm = gguf_target[1]
     sampling = SamplingParams(temperature=1.0, top_k=3)

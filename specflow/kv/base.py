@@ -250,6 +250,11 @@ class LayeredLM(Protocol):
     def to(self, device: torch.device, dtype: torch.dtype) -> LayeredLM:
         """This model on ``device`` / ``dtype`` (itself when nothing changes)."""
 
+    def fused_forward(self, caches: list[LayerKV]) -> FusedPath | None:
+        """A path that runs a full forward of one sequence over ``caches`` (a session's,
+        one a layer) without the layer loop -- the same bits -- or ``None`` (the layer loop
+        runs every forward).  The GGUF-quantized native model's: ``specflow.quant.forward``."""
+
 
 class RowPaddedLM(LayeredLM, Protocol):
     """A ``LayeredLM`` that runs a pass of few rows on at least ``min_rows`` rows (its row
@@ -259,6 +264,16 @@ class RowPaddedLM(LayeredLM, Protocol):
 
     min_rows: int
     row_probe: object | None
+
+
+class FusedPath(Protocol):
+    """Full forwards of one sequence over its caches without the layer loop
+    (``LayeredLM.fused_forward``): what ``specflow.kv.session.forward_hidden`` asks of it."""
+
+    def hidden(self, tokens: list[int], start: int) -> torch.Tensor | None:
+        """``h_N [T, H]`` after a full forward of the ``T`` ``tokens`` from position
+        ``start`` (every layer's cache then holds ``start + T`` positions), or ``None`` when
+        this forward is not one it runs (nothing ran: the layer loop runs it)."""
 
 
 # ---------------------------------------------------------------------------- static path

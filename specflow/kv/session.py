@@ -54,7 +54,15 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError, PromptTooLongError
-from specflow.kv.base import AttendedKV, ExitAdapter, LayeredLM, LayerKV, SelfManagedKV, StaticPath
+from specflow.kv.base import (
+    AttendedKV,
+    ExitAdapter,
+    FusedPath,
+    LayeredLM,
+    LayerKV,
+    SelfManagedKV,
+    StaticPath,
+)
 from specflow.kv.contiguous import KVCache, layer_caches
 from specflow.kv.tree import TreeLayout, path_rows
 
@@ -181,6 +189,8 @@ class ModelSession:
         )
         self._release = release
         self.static = static
+        # full forwards of this sequence without the layer loop (a quantized model's)
+        self.fused: FusedPath | None = model.fused_forward(self.caches)
         n = model.info.num_layers
         # kept[l]: h_l of positions [computed(l), computed(l-1)), shape [*, H]; kept[0] unused.
         self.kept: list[torch.Tensor | None] = [None] * (n + 1)
@@ -569,6 +579,10 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
     """
     if not requests:
         return []
+    if len(requests) == 1:
+        fused = _fused_forward(*requests[0])
+        if fused is not None:
+            return [fused]
     model = requests[0][0].model
     for sess, exit_layer, end in requests:
         if sess.model is not model:
@@ -609,6 +623,25 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
             row += end - done
     _feed_adapters(requests)
     return [sess._result(exit_layer) for sess, exit_layer, _ in requests]
+
+
+def _fused_forward(sess: ModelSession, exit_layer: int, end: int
+                   ) -> tuple[torch.Tensor, int] | None:
+    """``forward_hidden`` of one request by its session's fused path (``LayeredLM.
+    fused_forward``), or ``None`` (the layer loop runs it): only a full forward fits it --
+    the last exit, every layer at the same position, no adapter fed, no layer inputs kept,
+    no token tree."""
+    n = sess.num_layers
+    if sess.fused is None or exit_layer != n or sess.adapters or sess.held or sess.tree is not None:
+        return None
+    start = sess.computed(0)
+    if end <= start or any(sess.computed(layer) != start for layer in range(1, n)):
+        return None
+    hidden = sess.fused.hidden(sess.tokens[start:end], start)
+    if hidden is None:
+        return None
+    sess.record_full_forward(start, hidden)
+    return sess._result(exit_layer)
 
 
 def _feed_adapters(requests: list[tuple[ModelSession, int, int]]) -> None:

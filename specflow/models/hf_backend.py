@@ -125,6 +125,10 @@ class HFBackendLM:
         """No adapters: the one exit is the model's last layer."""
         return None
 
+    def fused_forward(self, caches: list[LayerKV]) -> None:
+        """None: HF's decoder runs the forward (``LayeredLM`` doc)."""
+        return None
+
     @torch.no_grad()
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
         """``h [T, H] -> logits [T, V]`` float32; only exit 1 exists."""

@@ -47,7 +47,9 @@ from specflow.cpu import rows_kernel
 from specflow.cpu.float_rows import StackedRows, stackable, stacked_linear
 from specflow.cpu.int8_weights import Int8Matrix, int8_linear, quantize_int8
 from specflow.errors import ConfigError, PromptTooLongError
-from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, ModelInfo
+from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, LayerKV, ModelInfo
+from specflow.kv.contiguous import KVCache
+from specflow.quant.forward import FusedForward
 from specflow.quant.layer import LayerShape, QuantLayer, runs_quantized
 from specflow.quant.matrix import QuantMatrix, quant_linear
 
@@ -475,6 +477,22 @@ class NativeLM:
         self.exit_heads_path = path
         self.exit_adapters = adapters
         self._placed.clear()
+
+    def fused_forward(self, caches: list[LayerKV]) -> FusedForward | None:
+        """A whole forward of one sequence over ``caches`` in one kernel call
+        (``specflow.quant.forward``, the same bits as the layer loop) for a GGUF-quantized
+        model whose every layer runs the layer kernel, over one contiguous cache a layer;
+        ``None`` otherwise (``LayeredLM`` doc)."""
+        if not self.quantized or self.int8_rows or self.float_rows or self.dense_rows:
+            return None
+        if len(caches) != self.info.num_layers or not all(
+                isinstance(c, KVCache) and c.row_exact for c in caches):
+            return None
+        kernels = [self._quant_layer(w) for w in self.layers]
+        if any(k is None for k in kernels):
+            return None
+        return FusedForward([k for k in kernels if k is not None], caches, self.embed,
+                            self.cos, self.sin_signed, self.scale)
 
     def exit_adapter(self, exit_layer: int) -> LayerAdapter | None:
         """The attention adapter at ``exit_layer``, or ``None`` (``LayeredLM`` doc)."""

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from specflow.errors import ConfigError
-from specflow.kv.base import KVSpec, LayerBatch, LayeredLM, SelfManagedKV
+from specflow.kv.base import KVSpec, LayerBatch, LayeredLM, LayerKV, SelfManagedKV
 
 
 class LayerSkipView:
@@ -58,6 +58,10 @@ class LayerSkipView:
 
     def exit_adapter(self, exit_layer: int) -> None:
         """No adapters: the view drafts from its last layer only."""
+        return None
+
+    def fused_forward(self, caches: list[LayerKV]) -> None:
+        """None: the view's layers run one by one (``LayeredLM`` doc)."""
         return None
 
     def head(self, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:

@@ -9,8 +9,9 @@ result is the same bits whatever the other rows, their number or the threads -- 
 one row and verifying ``k+1`` rows agree exactly, which lossless speculation needs.
 
 The same library holds the quantized layers' other kernels, built from the same flags:
-the row-exact attention (``kernels/attend_rows.cpp``, ``specflow.quant.attention``) and a
-layer's work around its attention (``kernels/layer_rows.cpp``, ``specflow.quant.layer``).
+the row-exact attention (``kernels/attend_rows.cpp``, ``specflow.quant.attention``), a
+layer's work around its attention (``kernels/layer_rows.cpp``, ``specflow.quant.layer``) and
+a whole forward of all layers (``specflow.quant.forward``).
 
 Three builds of the sources, chosen by probing the CPU:
 
@@ -120,6 +121,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.quant_layer_before_attention.restype = i
     lib.quant_layer_after_attention.argtypes = [p, i, p, p, p, i]
     lib.quant_layer_after_attention.restype = i
+    lib.quant_model_forward.argtypes = [p, i, n, p, p, i]
+    lib.quant_model_forward.restype = i
     lib.quant_rows_isa.argtypes = []
     lib.quant_rows_isa.restype = i
     return lib

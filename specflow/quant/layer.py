@@ -84,6 +84,11 @@ class QuantLayer:
         self._desc = desc
         self._address = ctypes.addressof(desc)
 
+    @property
+    def address(self) -> int:
+        """The address of the kernel's layer description (valid while this object lives)."""
+        return self._address
+
     def _pointer(self, t: torch.Tensor | None) -> int | None:
         if t is None:
             return None
