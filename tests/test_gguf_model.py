@@ -171,14 +171,20 @@ def test_the_fused_forward_computes_the_layer_loops_bits(gguf_target):
             assert torch.equal(a.k[:, :length], b.k[:, :length])
             assert torch.equal(a.v[:, :length], b.v[:, :length])
     assert fused.fused.steps == 5 and fused.layer_evals == loop.layer_evals == 19 * n
-    # a token tree and a batch of two sequences run the layer loop
-    fused.set_tree(prompt[:19], [20, 21, 22], [-1, 0, -1])
-    forward_logits([(fused, n, 18, 22)])
-    other = ModelSession(lm, 40)
-    other.set_tokens(prompt[:3])
-    fused.set_tokens(prompt[:20])
-    forward_logits([(fused, n, 19, 20), (other, n, 0, 3)])
-    assert fused.fused.steps == 5
+    # a batch: the rows of two sequences in one forward, as the layer loop batches them
+    got = []
+    for a, b in ((fused, ModelSession(lm, 40)), (loop, ModelSession(lm, 40))):
+        if a is loop:
+            b.fused = None
+        b.set_tokens(prompt[3:9])
+        a.set_tokens(prompt[:20])
+        got.append(forward_logits([(a, n, 18, 20), (b, n, 0, 6)]))
+    assert fused.fused.steps == 6 and got[0][0].shape == (2, lm.info.vocab_size)
+    assert all(torch.equal(x, y) for x, y in zip(got[0], got[1], strict=True))
+    # a token tree runs the layer loop
+    fused.set_tree(prompt[:20], [20, 21, 22], [-1, 0, -1])
+    forward_logits([(fused, n, 19, 23)])
+    assert fused.fused.steps == 6
 
 
 def test_no_fused_forward_where_the_layer_loop_must_run(gguf_target):

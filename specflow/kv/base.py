@@ -267,13 +267,16 @@ class RowPaddedLM(LayeredLM, Protocol):
 
 
 class FusedPath(Protocol):
-    """Full forwards of one sequence over its caches without the layer loop
-    (``LayeredLM.fused_forward``): what ``specflow.kv.session.forward_hidden`` asks of it."""
+    """Full forwards of a sequence over its caches, with the other sequences of a batch,
+    without the layer loop (``LayeredLM.fused_forward``): what
+    ``specflow.kv.session.forward_hidden`` asks of it."""
 
-    def hidden(self, tokens: list[int], start: int) -> torch.Tensor | None:
-        """``h_N [T, H]`` after a full forward of the ``T`` ``tokens`` from position
-        ``start`` (every layer's cache then holds ``start + T`` positions), or ``None`` when
-        this forward is not one it runs (nothing ran: the layer loop runs it)."""
+    def hidden(self, rows: list[tuple[FusedPath, list[int], int]]) -> list[torch.Tensor] | None:
+        """``h_N [T_i, H]`` per ``rows[i] = (the path of sequence i, its T_i tokens, first
+        position)`` -- sequences of this path's model, this one among them -- after one full
+        forward of them all (every layer's cache of sequence i then holds ``start_i + T_i``
+        positions), or ``None`` when it is not a forward this path runs (nothing ran: the
+        layer loop runs it)."""
 
 
 # ---------------------------------------------------------------------------- static path

@@ -43,7 +43,10 @@ KV store (``specflow.kv.stores``): contiguous buffers of its own, or a sequence 
 pool shared with other requests (whose full forwards may take the static path, a
 ``StaticPath``).  ``forward_hidden`` / ``forward_logits`` answer the question
 for many sessions of one model at once, one batched ``run_layer`` per layer: a batch of
-sequences is the one code path, and ``ModelSession.hidden`` is a batch of one.
+sequences is the one code path, and ``ModelSession.hidden`` is a batch of one.  A model may
+run a full forward of one sequence without the layer loop (``LayeredLM.fused_forward``: a
+GGUF-quantized model's layers in one kernel call, the same bits); ``forward_hidden`` hands
+it a batch whose every request is such a forward and runs the loop otherwise.
 """
 
 from __future__ import annotations
@@ -579,10 +582,9 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
     """
     if not requests:
         return []
-    if len(requests) == 1:
-        fused = _fused_forward(*requests[0])
-        if fused is not None:
-            return [fused]
+    fused = _fused_forward(requests)
+    if fused is not None:
+        return fused
     model = requests[0][0].model
     for sess, exit_layer, end in requests:
         if sess.model is not model:
@@ -625,23 +627,32 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
     return [sess._result(exit_layer) for sess, exit_layer, _ in requests]
 
 
-def _fused_forward(sess: ModelSession, exit_layer: int, end: int
-                   ) -> tuple[torch.Tensor, int] | None:
-    """``forward_hidden`` of one request by its session's fused path (``LayeredLM.
-    fused_forward``), or ``None`` (the layer loop runs it): only a full forward fits it --
-    the last exit, every layer at the same position, no adapter fed, no layer inputs kept,
-    no token tree."""
-    n = sess.num_layers
-    if sess.fused is None or exit_layer != n or sess.adapters or sess.held or sess.tree is not None:
-        return None
-    start = sess.computed(0)
-    if end <= start or any(sess.computed(layer) != start for layer in range(1, n)):
-        return None
-    hidden = sess.fused.hidden(sess.tokens[start:end], start)
+def _fused_forward(requests: list[tuple[ModelSession, int, int]]
+                   ) -> list[tuple[torch.Tensor, int]] | None:
+    """``forward_hidden`` of the requests by their sessions' fused path (``LayeredLM.
+    fused_forward``), or ``None`` (the layer loop runs them): only full forwards fit it --
+    every request at the last exit with every layer at the same position, no adapter fed, no
+    layer inputs kept, no token tree -- and the path decides the rest (``FusedPath``)."""
+    rows = []
+    for sess, exit_layer, end in requests:
+        n = sess.num_layers
+        if (sess.fused is None or exit_layer != n or sess.adapters or sess.held
+                or sess.tree is not None):
+            return None
+        start = sess.computed(0)
+        if end <= start or any(sess.computed(layer) != start for layer in range(1, n)):
+            return None
+        rows.append((sess.fused, sess.tokens[start:end], start))
+    first = requests[0][0].fused
+    assert first is not None
+    hidden = first.hidden(rows)
     if hidden is None:
         return None
-    sess.record_full_forward(start, hidden)
-    return sess._result(exit_layer)
+    out = []
+    for (sess, exit_layer, _), h, (_, _, start) in zip(requests, hidden, rows, strict=True):
+        sess.record_full_forward(start, h)
+        out.append(sess._result(exit_layer))
+    return out
 
 
 def _feed_adapters(requests: list[tuple[ModelSession, int, int]]) -> None:

@@ -48,8 +48,7 @@ from specflow.cpu.float_rows import StackedRows, stackable, stacked_linear
 from specflow.cpu.int8_weights import Int8Matrix, int8_linear, quantize_int8
 from specflow.errors import ConfigError, PromptTooLongError
 from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, LayerKV, ModelInfo
-from specflow.kv.contiguous import KVCache
-from specflow.quant.forward import FusedForward
+from specflow.quant.forward import FusedForward, fused_forward
 from specflow.quant.layer import LayerShape, QuantLayer, runs_quantized
 from specflow.quant.matrix import QuantMatrix, quant_linear
 
@@ -485,14 +484,13 @@ class NativeLM:
         ``None`` otherwise (``LayeredLM`` doc)."""
         if not self.quantized or self.int8_rows or self.float_rows or self.dense_rows:
             return None
-        if len(caches) != self.info.num_layers or not all(
-                isinstance(c, KVCache) and c.row_exact for c in caches):
+        if len(caches) != self.info.num_layers:
             return None
         kernels = [self._quant_layer(w) for w in self.layers]
         if any(k is None for k in kernels):
             return None
-        return FusedForward([k for k in kernels if k is not None], caches, self.embed,
-                            self.cos, self.sin_signed, self.scale)
+        return fused_forward([k for k in kernels if k is not None], caches, self.embed,
+                             self.cos, self.sin_signed, self.scale)
 
     def exit_adapter(self, exit_layer: int) -> LayerAdapter | None:
         """The attention adapter at ``exit_layer``, or ``None`` (``LayeredLM`` doc)."""

@@ -171,12 +171,13 @@ int quant_layer_after_attention(const LayerDesc* L, int T, const float* h, const
 }  // extern "C"
 
 // ---------------------------------------------------------------------------- a whole forward
-// Every layer of a quantized model for T rows of one sequence at positions start .. start + T
-// - 1, its keys and values written into a contiguous cache per layer and attended row-exact
-// (attend_rows.cpp) over positions 0 .. start + t: per layer, quant_layer_before_attention,
-// the cache write, quant_attend_rows and quant_layer_after_attention, the calls (and so the
-// bits) of the model's layer function (specflow.models.native) run one by one from Python,
-// without the interpreter between them.
+// Every layer of a quantized model for a batch of B sequences, sequence b's T_b rows at
+// positions start_b .. start_b + T_b - 1 (N = sum T_b rows, sequence by sequence): per layer,
+// quant_layer_before_attention of all N rows, each sequence's keys and values written into
+// its contiguous cache of that layer and its rows attended row-exact (attend_rows.cpp: row t
+// over positions 0 .. start_b + t), and quant_layer_after_attention of all N rows -- the
+// calls (and so the bits) of the model's layer function (specflow.models.native) run one by
+// one from Python, without the interpreter between them.
 
 extern "C" int quant_attend_rows(int T, int NH, int KH, int D, const float* q, long ldq,
                                  const float* k, const float* v, long ldg, const long* prefix,
@@ -185,12 +186,9 @@ extern "C" int quant_attend_rows(int T, int NH, int KH, int D, const float* q, l
 
 namespace {
 
-struct ForwardDesc {
+struct ModelDesc {
   int layers;
   const LayerDesc* const* layer;  // [layers]
-  float* const* keys;             // [layers] of [KH, max_len, D]
-  float* const* values;           // [layers] of [KH, max_len, D]
-  long max_len;                   // positions a cache holds
   const float* cos;               // [table_rows, D]
   const float* sin_signed;        // [table_rows, D]
   long table_rows;
@@ -204,58 +202,74 @@ thread_local std::vector<long> forward_pos, forward_prefix;
 
 extern "C" {
 
-// out [T, H] = the last layer's output for the rows h [T, H] (the embeddings of the tokens at
-// positions start ..), every layer's keys and values of those positions written to its
-// cache.  Returns 0, or 1 on a bad shape or positions beyond the cache or the RoPE tables
-// (nothing written then).
-int quant_model_forward(const ForwardDesc* F, int T, long start, const float* h, float* out,
-                        int threads) {
-  if (T <= 0 || F->layers <= 0 || start < 0) return 1;
-  const LayerDesc* first = F->layer[0];
+// out [N, H] = the last layer's output for the rows h [N, H] (the embeddings of the batch's
+// tokens, sequence by sequence); keys[b * layers + l], values[...]: sequence b's cache of
+// layer l, [KH, max_len[b], D], which gets the keys and values of its rows.  Returns 0, or 1
+// on a bad shape or positions beyond a cache or the RoPE tables (nothing written then).
+int quant_model_forward(const ModelDesc* M, int B, const int* rows, const long* starts,
+                        float* const* keys, float* const* values, const long* max_len,
+                        const float* h, float* out, int threads) {
+  if (B <= 0 || M->layers <= 0) return 1;
+  const LayerDesc* first = M->layer[0];
   const long H = first->hidden, NH = first->heads, KH = first->kv_heads, D = first->head_dim;
-  if (start + T > F->max_len || start + T > F->table_rows) return 1;
-  for (int l = 0; l < F->layers; ++l) {
-    const LayerDesc* L = F->layer[l];
+  int N = 0;
+  for (int b = 0; b < B; ++b) {
+    if (rows[b] <= 0 || starts[b] < 0 || starts[b] + rows[b] > max_len[b] ||
+        starts[b] + rows[b] > M->table_rows) {
+      return 1;
+    }
+    N += rows[b];
+  }
+  for (int l = 0; l < M->layers; ++l) {
+    const LayerDesc* L = M->layer[l];
     if (L->hidden != H || L->heads != NH || L->kv_heads != KH || L->head_dim != D) return 1;
   }
-  const long width = (NH + 2 * KH) * D, ldg = F->max_len * D;
-  float* qkv = buffer(forward_qkv, T * width);
-  float* att = buffer(forward_att, T * NH * D);
-  float* other = buffer(forward_h, T * H);
-  if (static_cast<long>(forward_pos.size()) < T) forward_pos.resize(T);
-  if (static_cast<long>(forward_prefix.size()) < T) forward_prefix.resize(T);
-  for (int t = 0; t < T; ++t) {
-    forward_pos[t] = start + t;
-    forward_prefix[t] = start + t + 1;
+  const long width = (NH + 2 * KH) * D;
+  float* qkv = buffer(forward_qkv, N * width);
+  float* att = buffer(forward_att, N * NH * D);
+  float* other = buffer(forward_h, N * H);
+  if (static_cast<long>(forward_pos.size()) < N) forward_pos.resize(N);
+  if (static_cast<long>(forward_prefix.size()) < N) forward_prefix.resize(N);
+  for (int b = 0, row = 0; b < B; ++b) {
+    for (int t = 0; t < rows[b]; ++t, ++row) {
+      forward_pos[row] = starts[b] + t;
+      forward_prefix[row] = starts[b] + t + 1;
+    }
   }
   // the layers alternate between `out` and `other`, the last one writing `out`
-  float* cur_out = F->layers % 2 ? out : other;
+  float* cur_out = M->layers % 2 ? out : other;
   const float* in = h;
-  for (int l = 0; l < F->layers; ++l) {
-    const LayerDesc* L = F->layer[l];
-    if (quant_layer_before_attention(L, T, in, F->cos, F->sin_signed, forward_pos.data(), qkv,
+  for (int l = 0; l < M->layers; ++l) {
+    const LayerDesc* L = M->layer[l];
+    if (quant_layer_before_attention(L, N, in, M->cos, M->sin_signed, forward_pos.data(), qkv,
                                      threads)) {
       return 1;
     }
-    for (int t = 0; t < T; ++t) {
-      const float* row = qkv + t * width;
-      for (long g = 0; g < KH; ++g) {
-        float* kd = F->keys[l] + g * ldg + (start + t) * D;
-        float* vd = F->values[l] + g * ldg + (start + t) * D;
-        const float* ks = row + (NH + g) * D;
-        const float* vs = row + (NH + KH + g) * D;
-        for (long e = 0; e < D; ++e) {
-          kd[e] = ks[e];
-          vd[e] = vs[e];
+    for (int b = 0, row0 = 0; b < B; row0 += rows[b], ++b) {
+      float* kc = keys[static_cast<long>(b) * M->layers + l];
+      float* vc = values[static_cast<long>(b) * M->layers + l];
+      const long ldg = max_len[b] * D;
+      for (int t = 0; t < rows[b]; ++t) {
+        const float* row = qkv + (row0 + t) * width;
+        for (long g = 0; g < KH; ++g) {
+          float* kd = kc + g * ldg + (starts[b] + t) * D;
+          float* vd = vc + g * ldg + (starts[b] + t) * D;
+          const float* ks = row + (NH + g) * D;
+          const float* vs = row + (NH + KH + g) * D;
+          for (long e = 0; e < D; ++e) {
+            kd[e] = ks[e];
+            vd[e] = vs[e];
+          }
         }
       }
+      if (quant_attend_rows(rows[b], static_cast<int>(NH), static_cast<int>(KH),
+                            static_cast<int>(D), qkv + row0 * width, width, kc, vc, ldg,
+                            forward_prefix.data() + row0, nullptr, nullptr, M->scale,
+                            att + row0 * NH * D, threads)) {
+        return 1;
+      }
     }
-    if (quant_attend_rows(T, static_cast<int>(NH), static_cast<int>(KH), static_cast<int>(D),
-                          qkv, width, F->keys[l], F->values[l], ldg, forward_prefix.data(),
-                          nullptr, nullptr, F->scale, att, threads)) {
-      return 1;
-    }
-    if (quant_layer_after_attention(L, T, in, att, cur_out, threads)) return 1;
+    if (quant_layer_after_attention(L, N, in, att, cur_out, threads)) return 1;
     in = cur_out;
     cur_out = cur_out == out ? other : out;
   }
