@@ -150,53 +150,81 @@ def test_token_trees_give_the_quantized_models_own_greedy_tokens(batch_size, ggu
     assert decode(pipe, batch_size) == plain_tokens
 
 
-def test_the_fused_forward_computes_the_layer_loops_bits(gguf_target):
+@pytest.fixture(scope="module")
+def gguf_three_layers(tmp_path_factory):
+    """An odd number of layers: the fused forward's last layer writes the other buffer."""
+    return tiny_gguf("qwen2", tmp_path_factory.mktemp("gguf") / "three.gguf", 5, 3)
+
+
+def same_state(a, b, length: int) -> bool:
+    """Whether two sessions of one model hold the same keys, values, lengths and ``h_N``."""
+    return (a.layer_evals == b.layer_evals and a.final_start == b.final_start
+            and torch.equal(a.final_hidden, b.final_hidden)
+            and all(x.length == y.length == length
+                    and torch.equal(x.k[:, :length], y.k[:, :length])
+                    and torch.equal(x.v[:, :length], y.v[:, :length])
+                    for x, y in zip(a.caches, b.caches, strict=True)))
+
+
+@pytest.mark.parametrize("which", ["gguf_target", "gguf_three_layers"])
+def test_the_fused_forward_computes_the_layer_loops_bits(which, request):
+    from specflow.kv.fused import FusedForward
     from specflow.kv.session import ModelSession, forward_logits
 
-    lm = gguf_target[1]
+    lm = request.getfixturevalue(which)[1]
     n = lm.info.num_layers
-    prompt = [1, 5, 9, 17, 33, 5, 9, 2, 40, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
-    fused, loop = ModelSession(lm, 40), ModelSession(lm, 40)
-    loop.fused = None  # every forward through the layer loop
-    assert fused.fused is not None
+    prompt = [1, 5, 9, 17, 33, 5, 9, 2, 40, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+
+    def pair():
+        fused, loop = ModelSession(lm, 40), ModelSession(lm, 40)
+        loop.fused = None  # every forward through the layer loop
+        assert isinstance(fused.fused, FusedForward)
+        return fused, loop
+
+    fused, loop = pair()
     for length in (9, 10, 13, 18, 19):  # a prefill of 9 rows, then 1, 3, 5 and 1 more rows
         got = []
         for sess in (fused, loop):
             start = len(sess.tokens)
             sess.set_tokens(prompt[:length])
             got.append(forward_logits([(sess, n, max(start - 1, 0), length)])[0])
-        assert torch.equal(got[0], got[1])
-        for a, b in zip(fused.caches, loop.caches, strict=True):
-            assert a.length == b.length == length
-            assert torch.equal(a.k[:, :length], b.k[:, :length])
-            assert torch.equal(a.v[:, :length], b.v[:, :length])
-    assert fused.fused.steps == 5 and fused.layer_evals == loop.layer_evals == 19 * n
+        assert torch.equal(got[0], got[1]) and same_state(fused, loop, length)
+    assert fused.fused.steps == 5 and fused.layer_evals == 19 * n
     # a batch: the rows of two sequences in one forward, as the layer loop batches them
+    second = pair()
     got = []
-    for a, b in ((fused, ModelSession(lm, 40)), (loop, ModelSession(lm, 40))):
-        if a is loop:
-            b.fused = None
+    for a, b in ((fused, second[0]), (loop, second[1])):
         b.set_tokens(prompt[3:9])
         a.set_tokens(prompt[:20])
         got.append(forward_logits([(a, n, 18, 20), (b, n, 0, 6)]))
-    assert fused.fused.steps == 6 and got[0][0].shape == (2, lm.info.vocab_size)
+    assert fused.fused.steps == 6 and second[0].fused.steps == 1
     assert all(torch.equal(x, y) for x, y in zip(got[0], got[1], strict=True))
+    assert same_state(fused, loop, 20) and same_state(second[0], second[1], 6)
+    # an early exit leaves the layers at different positions: the loop runs, and then the
+    # next full forward too
+    for sess in (fused, loop):
+        sess.set_tokens(prompt[:22])
+        sess.hidden(n - 1, 21)
+    got = [forward_logits([(sess, n, 19, 22)])[0] for sess in (fused, loop)]
+    assert fused.fused.steps == 6 and torch.equal(got[0], got[1]) and same_state(fused, loop, 22)
     # a token tree runs the layer loop
-    fused.set_tree(prompt[:20], [20, 21, 22], [-1, 0, -1])
-    forward_logits([(fused, n, 19, 23)])
+    fused.set_tree(prompt[:22], [20, 21, 22], [-1, 0, -1])
+    forward_logits([(fused, n, 21, 25)])
     assert fused.fused.steps == 6
 
 
 def test_no_fused_forward_where_the_layer_loop_must_run(gguf_target):
     from specflow.kv.contiguous import layer_caches
+    from specflow.kv.fused import fused_path
     from specflow.models.native import NativeLM
 
     float_lm = NativeLM.from_hf(gguf_target[2], tiny_model_info(gguf_target[2], "twin"))
-    assert float_lm.fused_forward(layer_caches(float_lm, 8)) is None  # float weights
+    assert float_lm.fused_layers() is None  # float weights
+    assert fused_path(float_lm, layer_caches(float_lm, 8)) is None
     lm = gguf_target[1]
     caches = layer_caches(lm, 8)
-    assert lm.fused_forward(caches) is not None
-    assert lm.fused_forward(caches[:-1]) is None  # not one cache a layer
+    assert fused_path(lm, caches) is not None
+    assert fused_path(lm, caches[:-1]) is None  # not one cache a layer
 
 
 def test_sampling_follows_the_quantized_targets_law(gguf_target, gguf_drafter):

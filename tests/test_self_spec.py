@@ -71,7 +71,7 @@ class CountingLM:
     def exit_adapter(self, exit_layer):
         return self.lm.exit_adapter(exit_layer)
 
-    def fused_forward(self, caches):
+    def fused_layers(self):
         return None  # every layer through run_layer, which counts them
 
 

@@ -250,10 +250,10 @@ class LayeredLM(Protocol):
     def to(self, device: torch.device, dtype: torch.dtype) -> LayeredLM:
         """This model on ``device`` / ``dtype`` (itself when nothing changes)."""
 
-    def fused_forward(self, caches: list[LayerKV]) -> FusedPath | None:
-        """A path that runs a full forward of one sequence over ``caches`` (a session's,
-        one a layer) without the layer loop -- the same bits -- or ``None`` (the layer loop
-        runs every forward).  The GGUF-quantized native model's: ``specflow.quant.forward``."""
+    def fused_layers(self) -> FusedLayers | None:
+        """Its layers as one kernel call runs them for a full forward of a few rows without
+        the layer loop -- the same bits (``specflow.kv.fused``) -- or ``None`` (the layer
+        loop runs every forward).  The GGUF-quantized native model's."""
 
 
 class RowPaddedLM(LayeredLM, Protocol):
@@ -266,17 +266,26 @@ class RowPaddedLM(LayeredLM, Protocol):
     row_probe: object | None
 
 
-class FusedPath(Protocol):
-    """Full forwards of a sequence over its caches, with the other sequences of a batch,
-    without the layer loop (``LayeredLM.fused_forward``): what
-    ``specflow.kv.session.forward_hidden`` asks of it."""
+@dataclass(frozen=True, eq=False)
+class FusedLayers:
+    """A model whose full forward of a few rows runs in one kernel call
+    (``LayeredLM.fused_layers``; ``specflow.kv.fused`` runs it over a session's caches).
 
-    def hidden(self, rows: list[tuple[FusedPath, list[int], int]]) -> list[torch.Tensor] | None:
-        """``h_N [T_i, H]`` per ``rows[i] = (the path of sequence i, its T_i tokens, first
-        position)`` -- sequences of this path's model, this one among them -- after one full
-        forward of them all (every layer's cache of sequence i then holds ``start_i + T_i``
-        positions), or ``None`` when it is not a forward this path runs (nothing ran: the
-        layer loop runs it)."""
+    Attributes:
+        layers: the address of each layer's kernel description, in order (``specflow.quant.
+            layer.QuantLayer.address``), valid while ``keep`` lives.
+        embed: ``token_ids [T] -> h_0 [T, H]``.
+        cos, sin_signed: the RoPE tables ``[P, D]`` (float32, contiguous).
+        scale: the attention's ``1 / sqrt(D)``.
+        keep: what keeps the addresses valid (the layer kernels).
+    """
+
+    layers: tuple[int, ...]
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    scale: float
+    keep: object
 
 
 # ---------------------------------------------------------------------------- static path

@@ -44,9 +44,10 @@ pool shared with other requests (whose full forwards may take the static path, a
 ``StaticPath``).  ``forward_hidden`` / ``forward_logits`` answer the question
 for many sessions of one model at once, one batched ``run_layer`` per layer: a batch of
 sequences is the one code path, and ``ModelSession.hidden`` is a batch of one.  A model may
-run a full forward of one sequence without the layer loop (``LayeredLM.fused_forward``: a
-GGUF-quantized model's layers in one kernel call, the same bits); ``forward_hidden`` hands
-it a batch whose every request is such a forward and runs the loop otherwise.
+run a full forward of a few rows without the layer loop (``LayeredLM.fused_layers``: a
+GGUF-quantized model's layers in one kernel call, the same bits; ``specflow.kv.fused``);
+``forward_hidden`` hands it a batch whose every request is such a forward and runs the loop
+otherwise.
 """
 
 from __future__ import annotations
@@ -60,13 +61,13 @@ from specflow.errors import ConfigError, PromptTooLongError
 from specflow.kv.base import (
     AttendedKV,
     ExitAdapter,
-    FusedPath,
     LayeredLM,
     LayerKV,
     SelfManagedKV,
     StaticPath,
 )
 from specflow.kv.contiguous import KVCache, layer_caches
+from specflow.kv.fused import FusedForward, fused_path
 from specflow.kv.tree import TreeLayout, path_rows
 
 
@@ -193,7 +194,7 @@ class ModelSession:
         self._release = release
         self.static = static
         # full forwards of this sequence without the layer loop (a quantized model's)
-        self.fused: FusedPath | None = model.fused_forward(self.caches)
+        self.fused: FusedForward | None = fused_path(model, self.caches)
         n = model.info.num_layers
         # kept[l]: h_l of positions [computed(l), computed(l-1)), shape [*, H]; kept[0] unused.
         self.kept: list[torch.Tensor | None] = [None] * (n + 1)
@@ -522,9 +523,9 @@ class ModelSession:
             self.final_hidden, self.final_start = out, done
 
     def record_full_forward(self, start: int, final_hidden: torch.Tensor) -> None:
-        """Bookkeeping of a full forward run outside the layer loop (the static path):
-        every layer now holds positions up to ``start + rows`` (the caller set the caches'
-        lengths) and ``h_N`` of ``[start, start + rows)`` is kept."""
+        """Bookkeeping of a full forward run outside the layer loop (the static or the fused
+        path): every layer now holds positions up to ``start + rows`` (the caller set the
+        caches' lengths) and ``h_N`` of ``[start, start + rows)`` is kept."""
         rows = final_hidden.shape[0]
         self.layer_evals += rows * (self.num_layers - 1)
         self._store(self.num_layers - 1, start, final_hidden)
@@ -582,9 +583,6 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
     """
     if not requests:
         return []
-    fused = _fused_forward(requests)
-    if fused is not None:
-        return fused
     model = requests[0][0].model
     for sess, exit_layer, end in requests:
         if sess.model is not model:
@@ -593,6 +591,9 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
             raise ValueError(f"exit layer must be in 1..{sess.num_layers}, got {exit_layer}")
         if end > len(sess.tokens):
             raise ValueError(f"position {end} is beyond the sequence ({len(sess.tokens)} tokens)")
+    fused = _fused_forward(requests)
+    if fused is not None:
+        return fused
     memo: dict = {}
     for layer in range(max(e for _, e, _ in requests)):
         todo = [
@@ -629,10 +630,10 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
 
 def _fused_forward(requests: list[tuple[ModelSession, int, int]]
                    ) -> list[tuple[torch.Tensor, int]] | None:
-    """``forward_hidden`` of the requests by their sessions' fused path (``LayeredLM.
-    fused_forward``), or ``None`` (the layer loop runs them): only full forwards fit it --
-    every request at the last exit with every layer at the same position, no adapter fed, no
-    layer inputs kept, no token tree -- and the path decides the rest (``FusedPath``)."""
+    """``forward_hidden`` of the requests by their sessions' fused path (``specflow.kv.
+    fused``), or ``None`` (the layer loop runs them): only full forwards fit it -- every
+    request at the last exit with every layer at the same position, no adapter fed, no layer
+    inputs kept, no token tree -- and the path decides the rest (``FusedForward.fits``)."""
     rows = []
     for sess, exit_layer, end in requests:
         n = sess.num_layers

@@ -125,7 +125,7 @@ class HFBackendLM:
         """No adapters: the one exit is the model's last layer."""
         return None
 
-    def fused_forward(self, caches: list[LayerKV]) -> None:
+    def fused_layers(self) -> None:
         """None: HF's decoder runs the forward (``LayeredLM`` doc)."""
         return None
 

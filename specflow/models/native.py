@@ -47,8 +47,7 @@ from specflow.cpu import rows_kernel
 from specflow.cpu.float_rows import StackedRows, stackable, stacked_linear
 from specflow.cpu.int8_weights import Int8Matrix, int8_linear, quantize_int8
 from specflow.errors import ConfigError, PromptTooLongError
-from specflow.kv.base import AttendedKV, KVSpec, LayerBatch, LayerKV, ModelInfo
-from specflow.quant.forward import FusedForward, fused_forward
+from specflow.kv.base import AttendedKV, FusedLayers, KVSpec, LayerBatch, ModelInfo
 from specflow.quant.layer import LayerShape, QuantLayer, runs_quantized
 from specflow.quant.matrix import QuantMatrix, quant_linear
 
@@ -477,20 +476,18 @@ class NativeLM:
         self.exit_adapters = adapters
         self._placed.clear()
 
-    def fused_forward(self, caches: list[LayerKV]) -> FusedForward | None:
-        """A whole forward of one sequence over ``caches`` in one kernel call
-        (``specflow.quant.forward``, the same bits as the layer loop) for a GGUF-quantized
-        model whose every layer runs the layer kernel, over one contiguous cache a layer;
-        ``None`` otherwise (``LayeredLM`` doc)."""
+    def fused_layers(self) -> FusedLayers | None:
+        """Its layers for a full forward of a few rows in one kernel call (``LayeredLM``
+        doc; ``specflow.kv.fused``): a GGUF-quantized model whose every layer runs the layer
+        kernel; ``None`` otherwise.  Such a model keeps no int8, float-rows or dense copies
+        (its settings refuse them), so every pass runs these layers."""
         if not self.quantized or self.int8_rows or self.float_rows or self.dense_rows:
-            return None
-        if len(caches) != self.info.num_layers:
             return None
         kernels = [self._quant_layer(w) for w in self.layers]
         if any(k is None for k in kernels):
             return None
-        return fused_forward([k for k in kernels if k is not None], caches, self.embed,
-                             self.cos, self.sin_signed, self.scale)
+        return FusedLayers(tuple(k.address for k in kernels if k is not None), self.embed,
+                           self.cos, self.sin_signed, self.scale, kernels)
 
     def exit_adapter(self, exit_layer: int) -> LayerAdapter | None:
         """The attention adapter at ``exit_layer``, or ``None`` (``LayeredLM`` doc)."""

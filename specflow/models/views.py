@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from specflow.errors import ConfigError
-from specflow.kv.base import KVSpec, LayerBatch, LayeredLM, LayerKV, SelfManagedKV
+from specflow.kv.base import KVSpec, LayerBatch, LayeredLM, SelfManagedKV
 
 
 class LayerSkipView:
@@ -60,7 +60,7 @@ class LayerSkipView:
         """No adapters: the view drafts from its last layer only."""
         return None
 
-    def fused_forward(self, caches: list[LayerKV]) -> None:
+    def fused_layers(self) -> None:
         """None: the view's layers run one by one (``LayeredLM`` doc)."""
         return None
 

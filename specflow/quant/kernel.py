@@ -11,7 +11,7 @@ one row and verifying ``k+1`` rows agree exactly, which lossless speculation nee
 The same library holds the quantized layers' other kernels, built from the same flags:
 the row-exact attention (``kernels/attend_rows.cpp``, ``specflow.quant.attention``), a
 layer's work around its attention (``kernels/layer_rows.cpp``, ``specflow.quant.layer``) and
-a whole forward of all layers (``specflow.quant.forward``).
+a full forward of all layers (``specflow.kv.fused``).
 
 Three builds of the sources, chosen by probing the CPU:
 
@@ -102,6 +102,15 @@ def cpu_build() -> str:
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
+    try:
+        _declare(lib)
+    except AttributeError as err:  # a library built from other sources lacks a function
+        raise OSError(f"{path}: {err}") from err
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The argument and result types of the library's functions."""
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.quant_rows_linear.argtypes = [i, i, p, n, p, n, p, n, i]
     lib.quant_rows_linear.restype = i
@@ -125,7 +134,6 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.quant_model_forward.restype = i
     lib.quant_rows_isa.argtypes = []
     lib.quant_rows_isa.restype = i
-    return lib
 
 
 def build_library(build: str) -> Path:

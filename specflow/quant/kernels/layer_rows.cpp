@@ -205,7 +205,9 @@ extern "C" {
 // out [N, H] = the last layer's output for the rows h [N, H] (the embeddings of the batch's
 // tokens, sequence by sequence); keys[b * layers + l], values[...]: sequence b's cache of
 // layer l, [KH, max_len[b], D], which gets the keys and values of its rows.  Returns 0, or 1
-// on a bad shape or positions beyond a cache or the RoPE tables (nothing written then).
+// on a bad shape or positions beyond a cache or the RoPE tables (checked before anything is
+// written; a failure of a layer's call after that leaves the positions past the caches'
+// lengths written, which the next forward overwrites).
 int quant_model_forward(const ModelDesc* M, int B, const int* rows, const long* starts,
                         float* const* keys, float* const* values, const long* max_len,
                         const float* h, float* out, int threads) {
