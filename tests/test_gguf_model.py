@@ -207,10 +207,18 @@ def test_the_fused_forward_computes_the_layer_loops_bits(which, request):
         sess.hidden(n - 1, 21)
     got = [forward_logits([(sess, n, 19, 22)])[0] for sess in (fused, loop)]
     assert fused.fused.steps == 6 and torch.equal(got[0], got[1]) and same_state(fused, loop, 22)
-    # a token tree runs the layer loop
-    fused.set_tree(prompt[:22], [20, 21, 22], [-1, 0, -1])
-    forward_logits([(fused, n, 21, 25)])
-    assert fused.fused.steps == 6
+    # a token tree: each node over the prefix and its ancestors, as the loop attends it; the
+    # next tokens keep the path they spell
+    for sess in (fused, loop):
+        sess.set_tree(prompt[:22], [20, 21, 22, 23], [-1, 0, -1, 2])
+    got = [forward_logits([(sess, n, 21, 26)])[0] for sess in (fused, loop)]
+    assert fused.fused.steps == 7 and torch.equal(got[0], got[1])
+    assert same_state(fused, loop, 26)
+    for sess in (fused, loop):
+        sess.set_tokens(prompt[:22] + [22, 23, 7])
+    got = [forward_logits([(sess, n, 24, 25)])[0] for sess in (fused, loop)]
+    assert fused.fused.steps == 8 and torch.equal(got[0], got[1])
+    assert same_state(fused, loop, 25)
 
 
 def test_no_fused_forward_where_the_layer_loop_must_run(gguf_target):

@@ -15,8 +15,9 @@ AVX2 EPYC, docs/performance.md).
 ``specflow.kv.session.forward_hidden`` asks it): a full forward of a batch of sequences, each
 of ``1 .. SDPA_ROWS - 1`` chain rows (decoding steps, chains' verifications, a drafter's steps
 and catch-ups), runs here as the layer loop runs it -- each layer's products over all the
-batch's rows, each sequence attended over its own cache; a token tree or a prefill block that
-the layer loop attends with SDPA returns ``None`` and runs in the layer loop.
+batch's rows, each sequence attended over its own cache (a token tree's rows over the prefix
+and their ancestors); a prefill block that the layer loop attends with SDPA returns ``None``
+and runs in the layer loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from specflow.errors import PromptTooLongError
 from specflow.kv.base import FusedLayers, LayeredLM, LayerKV
 from specflow.kv.contiguous import SDPA_ROWS, KVCache
 from specflow.quant.matrix import quant_library
+
+# A forward's rows in a token tree: rotary positions [T], prefix [T], offsets [T + 1] and the
+# new rows' columns each row sees (``FusedForward.tree_rows``).
+TreeRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class _ModelDesc(ctypes.Structure):
@@ -61,10 +66,34 @@ class FusedForward:
 
     def fits(self, tokens: list[int], start: int) -> bool:
         """Whether a forward of ``tokens`` from position ``start`` runs here: every layer's
-        cache holds exactly ``start`` positions, and the rows are a chain (no token tree
-        laid out) of ``1 .. SDPA_ROWS - 1`` rows (longer blocks: the loop's SDPA prefill)."""
-        return (0 < len(tokens) < SDPA_ROWS
-                and all(c.tree is None and c.length == start for c in self.caches))
+        cache holds exactly ``start`` positions and lays out the same token tree (or none),
+        ``1 .. SDPA_ROWS - 1`` rows (longer blocks: the loop's SDPA prefill), and where the
+        rows reach into the tree, every row sees the whole prefix (else the layer loop
+        refuses them)."""
+        tree = self.caches[0].tree
+        if not (0 < len(tokens) < SDPA_ROWS
+                and all(c.tree is tree and c.length == start for c in self.caches)):
+            return False
+        return self.tree_rows(len(tokens), start) is not False
+
+    def tree_rows(self, t: int, start: int) -> TreeRows | None | bool:
+        """How a forward of ``t`` rows from ``start`` attends, as the layer loop attends it
+        (``specflow.kv.contiguous``): ``None`` for a chain; for rows in the token tree
+        ``(positions [T], prefix [T], offsets [T + 1], columns)`` int64 -- each row's rotary
+        position (its depth), the prefix ``[0, start)`` every row sees, then the new rows'
+        cache positions it sees in order (its ancestors and itself); ``False`` where a row
+        does not see the whole prefix."""
+        tree = self.caches[0].tree
+        if tree is None or not tree.covers(start, t):
+            return None
+        visible = tree.visible(start, t)  # [T, start + T] bool
+        if not bool(visible[:, :start].all()):
+            return False
+        row, col = visible[:, start:].nonzero(as_tuple=True)  # row-major: in order
+        offsets = torch.zeros(t + 1, dtype=torch.long)
+        offsets[1:] = torch.bincount(row, minlength=t).cumsum(0)
+        return (torch.tensor(tree.positions(start, t), dtype=torch.long),
+                torch.full((t,), start, dtype=torch.long), offsets, (col + start).contiguous())
 
     def hidden(self, rows: list[tuple[FusedForward, list[int], int]]
                ) -> list[torch.Tensor] | None:
@@ -87,6 +116,21 @@ class FusedForward:
                                          f"{self.table_rows} RoPE positions")
         b = len(rows)
         counts = [len(tokens) for _, tokens, _ in rows]
+        layouts = [p.tree_rows(len(tokens), start) for p, tokens, start in rows]
+        trees = [lay for lay in layouts if isinstance(lay, tuple)]
+        positions = prefix = extra_off = extra = None
+        if trees:  # every row's position and prefix given; a chain's as the kernel's own
+            chains = [(torch.arange(start, start + len(tokens)),
+                       torch.arange(start + 1, start + len(tokens) + 1))
+                      for _, tokens, start in rows]
+            parts = [lay[:2] if isinstance(lay, tuple) else chain
+                     for lay, chain in zip(layouts, chains, strict=True)]
+            positions = torch.cat([pos for pos, _ in parts]).contiguous()  # [N]
+            prefix = torch.cat([pre for _, pre in parts]).contiguous()  # [N]
+            extra_off = (ctypes.c_void_p * b)(*(
+                lay[2].data_ptr() if isinstance(lay, tuple) else None for lay in layouts))
+            extra = (ctypes.c_void_p * b)(*(
+                lay[3].data_ptr() if isinstance(lay, tuple) else None for lay in layouts))
         ids = torch.tensor([tok for _, tokens, _ in rows for tok in tokens], dtype=torch.long)
         h0 = self.model.embed(ids).to(torch.float32).contiguous()  # [N, H]
         out = torch.empty_like(h0)  # [N, H]
@@ -96,8 +140,10 @@ class FusedForward:
             self._address, b, (ctypes.c_int * b)(*counts),
             (ctypes.c_long * b)(*(start for _, _, start in rows)),
             (ctypes.c_void_p * len(keys))(*keys), (ctypes.c_void_p * len(values))(*values),
-            (ctypes.c_long * b)(*(p.max_len for p in fused)), h0.data_ptr(), out.data_ptr(),
-            torch.get_num_threads())
+            (ctypes.c_long * b)(*(p.max_len for p in fused)),
+            None if positions is None else positions.data_ptr(),
+            None if prefix is None else prefix.data_ptr(), extra_off, extra, h0.data_ptr(),
+            out.data_ptr(), torch.get_num_threads())
         if err:
             raise ValueError(f"quant_model_forward: rows {counts} from positions "
                              f"{[start for _, _, start in rows]}")

@@ -633,12 +633,11 @@ def _fused_forward(requests: list[tuple[ModelSession, int, int]]
     """``forward_hidden`` of the requests by their sessions' fused path (``specflow.kv.
     fused``), or ``None`` (the layer loop runs them): only full forwards fit it -- every
     request at the last exit with every layer at the same position, no adapter fed, no layer
-    inputs kept, no token tree -- and the path decides the rest (``FusedForward.fits``)."""
+    inputs kept -- and the path decides the rest (``FusedForward.fits``)."""
     rows = []
     for sess, exit_layer, end in requests:
         n = sess.num_layers
-        if (sess.fused is None or exit_layer != n or sess.adapters or sess.held
-                or sess.tree is not None):
+        if sess.fused is None or exit_layer != n or sess.adapters or sess.held:
             return None
         start = sess.computed(0)
         if end <= start or any(sess.computed(layer) != start for layer in range(1, n)):

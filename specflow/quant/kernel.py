@@ -130,7 +130,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_layer_before_attention.restype = i
     lib.quant_layer_after_attention.argtypes = [p, i, p, p, p, i]
     lib.quant_layer_after_attention.restype = i
-    lib.quant_model_forward.argtypes = [p, i, p, p, p, p, p, p, p, i]
+    lib.quant_model_forward.argtypes = [p, i, p, p, p, p, p, p, p, p, p, p, p, i]
     lib.quant_model_forward.restype = i
     lib.quant_rows_isa.argtypes = []
     lib.quant_rows_isa.restype = i

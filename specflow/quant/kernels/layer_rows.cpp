@@ -204,12 +204,19 @@ extern "C" {
 
 // out [N, H] = the last layer's output for the rows h [N, H] (the embeddings of the batch's
 // tokens, sequence by sequence); keys[b * layers + l], values[...]: sequence b's cache of
-// layer l, [KH, max_len[b], D], which gets the keys and values of its rows.  Returns 0, or 1
+// layer l, [KH, max_len[b], D], which gets the keys and values of its rows at positions
+// starts[b] .. starts[b] + rows[b] - 1.  positions [N]: each row's RoPE position (null: its
+// cache position); prefix [N]: the keys 0 .. prefix - 1 each row sees (null: its own and
+// those before it); extra_off[b], extra[b] (null, or a null entry: a chain): a token tree's
+// rows, row t of sequence b also seeing extra[b][extra_off[b][t] .. extra_off[b][t + 1] - 1]
+// in that order (attend_rows.cpp).  Returns 0, or 1
 // on a bad shape or positions beyond a cache or the RoPE tables (checked before anything is
 // written; a failure of a layer's call after that leaves the positions past the caches'
 // lengths written, which the next forward overwrites).
 int quant_model_forward(const ModelDesc* M, int B, const int* rows, const long* starts,
                         float* const* keys, float* const* values, const long* max_len,
+                        const long* positions, const long* prefix,
+                        const long* const* extra_off, const long* const* extra,
                         const float* h, float* out, int threads) {
   if (B <= 0 || M->layers <= 0) return 1;
   const LayerDesc* first = M->layer[0];
@@ -233,9 +240,19 @@ int quant_model_forward(const ModelDesc* M, int B, const int* rows, const long* 
   if (static_cast<long>(forward_pos.size()) < N) forward_pos.resize(N);
   if (static_cast<long>(forward_prefix.size()) < N) forward_prefix.resize(N);
   for (int b = 0, row = 0; b < B; ++b) {
+    const long end = starts[b] + rows[b];
     for (int t = 0; t < rows[b]; ++t, ++row) {
-      forward_pos[row] = starts[b] + t;
-      forward_prefix[row] = starts[b] + t + 1;
+      forward_pos[row] = positions ? positions[row] : starts[b] + t;
+      forward_prefix[row] = prefix ? prefix[row] : starts[b] + t + 1;
+      if (forward_pos[row] < 0 || forward_pos[row] >= M->table_rows ||
+          forward_prefix[row] < 0 || forward_prefix[row] > end) {
+        return 1;
+      }
+    }
+    if (extra_off && extra_off[b]) {
+      for (long i = extra_off[b][0]; i < extra_off[b][rows[b]]; ++i) {
+        if (extra[b][i] < 0 || extra[b][i] >= end) return 1;
+      }
     }
   }
   // the layers alternate between `out` and `other`, the last one writing `out`
@@ -266,7 +283,9 @@ int quant_model_forward(const ModelDesc* M, int B, const int* rows, const long* 
       }
       if (quant_attend_rows(rows[b], static_cast<int>(NH), static_cast<int>(KH),
                             static_cast<int>(D), qkv + row0 * width, width, kc, vc, ldg,
-                            forward_prefix.data() + row0, nullptr, nullptr, M->scale,
+                            forward_prefix.data() + row0,
+                            extra_off ? extra_off[b] : nullptr, extra_off ? extra[b] : nullptr,
+                            M->scale,
                             att + row0 * NH * D, threads)) {
         return 1;
       }
