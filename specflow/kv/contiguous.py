@@ -177,16 +177,27 @@ def _rows_as_steps(q: torch.Tensor, cache: KVCache, start: int, tree: TreeLayout
             prefix = torch.arange(start + 1, start + t + 1, dtype=torch.long)  # [T]
             extra = None
         else:
-            visible = tree.visible(start, t, torch.device("cpu"))  # [T, s+T] bool
-            if not bool(visible[:, :start].all()):
+            seen = tree_rows_seen(tree, start, t)
+            if seen is None:
                 raise ValueError("a tree row that does not see the whole prefix")
-            rows, cols = visible[:, start:].nonzero(as_tuple=True)  # row-major: in order
-            offsets = torch.zeros(t + 1, dtype=torch.long)
-            offsets[1:] = torch.bincount(rows, minlength=t).cumsum(0)
-            prefix = torch.full((t,), start, dtype=torch.long)
-            extra = (offsets, (cols + start).contiguous())
+            prefix, extra = seen
         hit = memo[key] = (tree, prefix, extra)
     return attend_rows(q, cache.k, cache.v, hit[1], hit[2], scale)
+
+
+def tree_rows_seen(tree: TreeLayout, start: int, t: int
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+    """What each of ``t`` token-tree rows from ``start`` sees, as ``attend_rows`` takes it:
+    ``prefix [T]`` (every row the keys ``[0, start)``) and ``(offsets [T + 1], columns)``
+    int64 (row ``i`` then the new rows' positions ``columns[offsets[i]:offsets[i + 1]]``, its
+    ancestors and itself, in order); ``None`` where a row does not see the whole prefix."""
+    visible = tree.visible(start, t, torch.device("cpu"))  # [T, s+T] bool
+    if not bool(visible[:, :start].all()):
+        return None
+    rows, cols = visible[:, start:].nonzero(as_tuple=True)  # row-major: in order
+    offsets = torch.zeros(t + 1, dtype=torch.long)
+    offsets[1:] = torch.bincount(rows, minlength=t).cumsum(0)
+    return torch.full((t,), start, dtype=torch.long), (offsets, (cols + start).contiguous())
 
 
 # A causal block of at least this many new rows (a prefill, a long catch-up) is attended by

@@ -29,7 +29,7 @@ import torch
 
 from specflow.errors import PromptTooLongError
 from specflow.kv.base import FusedLayers, LayeredLM, LayerKV
-from specflow.kv.contiguous import SDPA_ROWS, KVCache
+from specflow.kv.contiguous import SDPA_ROWS, KVCache, tree_rows_seen
 from specflow.quant.matrix import quant_library
 
 # A forward's rows in a token tree: rotary positions [T], prefix [T], offsets [T + 1] and the
@@ -64,47 +64,42 @@ class FusedForward:
             table_rows=self.table_rows, scale=model.scale)
         self._address = ctypes.addressof(self._desc)
 
-    def fits(self, tokens: list[int], start: int) -> bool:
-        """Whether a forward of ``tokens`` from position ``start`` runs here: every layer's
-        cache holds exactly ``start`` positions and lays out the same token tree (or none),
-        ``1 .. SDPA_ROWS - 1`` rows (longer blocks: the loop's SDPA prefill), and where the
-        rows reach into the tree, every row sees the whole prefix (else the layer loop
-        refuses them)."""
+    def fits(self, tokens: list[int]) -> bool:
+        """Whether a forward of ``tokens`` runs here: ``1 .. SDPA_ROWS - 1`` rows (longer
+        blocks: the layer loop's SDPA prefill), every layer's cache laying out the same token
+        tree (or none)."""
         tree = self.caches[0].tree
-        if not (0 < len(tokens) < SDPA_ROWS
-                and all(c.tree is tree and c.length == start for c in self.caches)):
-            return False
-        return self.tree_rows(len(tokens), start) is not False
+        return 0 < len(tokens) < SDPA_ROWS and all(c.tree is tree for c in self.caches)
 
     def tree_rows(self, t: int, start: int) -> TreeRows | None | bool:
         """How a forward of ``t`` rows from ``start`` attends, as the layer loop attends it
-        (``specflow.kv.contiguous``): ``None`` for a chain; for rows in the token tree
-        ``(positions [T], prefix [T], offsets [T + 1], columns)`` int64 -- each row's rotary
-        position (its depth), the prefix ``[0, start)`` every row sees, then the new rows'
-        cache positions it sees in order (its ancestors and itself); ``False`` where a row
-        does not see the whole prefix."""
+        (``specflow.kv.contiguous.tree_rows_seen``): ``None`` for a chain; for rows in the
+        token tree ``(positions [T], prefix [T], offsets [T + 1], columns)`` int64 -- each
+        row's rotary position (its depth), then what it sees; ``False`` where a row does not
+        see the whole prefix (the layer loop refuses it)."""
         tree = self.caches[0].tree
         if tree is None or not tree.covers(start, t):
             return None
-        visible = tree.visible(start, t)  # [T, start + T] bool
-        if not bool(visible[:, :start].all()):
+        seen = tree_rows_seen(tree, start, t)
+        if seen is None:
             return False
-        row, col = visible[:, start:].nonzero(as_tuple=True)  # row-major: in order
-        offsets = torch.zeros(t + 1, dtype=torch.long)
-        offsets[1:] = torch.bincount(row, minlength=t).cumsum(0)
-        return (torch.tensor(tree.positions(start, t), dtype=torch.long),
-                torch.full((t,), start, dtype=torch.long), offsets, (col + start).contiguous())
+        prefix, (offsets, columns) = seen
+        return torch.tensor(tree.positions(start, t), dtype=torch.long), prefix, offsets, columns
 
     def hidden(self, rows: list[tuple[FusedForward, list[int], int]]
                ) -> list[torch.Tensor] | None:
         """``h_N [T_i, H]`` per ``rows[i] = (the path of sequence i, its T_i tokens, first
-        position)`` -- sequences of this path's model, this one among them -- after one
-        forward of them all (every layer's cache of sequence i then holds ``start_i + T_i``
+        position)`` -- sequences of this path's model, this one among them, each with every
+        layer's cache holding ``start_i`` positions (the session checks) -- after one forward
+        of them all (every layer's cache of sequence i then holds ``start_i + T_i``
         positions); ``None`` (nothing ran) where a path is another model's (other layers) or a
-        forward does not fit its path (``fits``)."""
+        forward does not fit its path (``fits``, ``tree_rows``)."""
         fused = [path for path, _, _ in rows]
-        if not all(p.model.layers == self.model.layers and p.fits(tokens, start)
-                   for p, tokens, start in rows):
+        if not all(p.model.layers == self.model.layers and p.fits(tokens)
+                   for p, tokens, _ in rows):
+            return None
+        layouts = [p.tree_rows(len(tokens), start) for p, tokens, start in rows]
+        if any(lay is False for lay in layouts):
             return None
         for p, (_, tokens, start) in zip(fused, rows, strict=True):
             end = start + len(tokens)
@@ -116,7 +111,6 @@ class FusedForward:
                                          f"{self.table_rows} RoPE positions")
         b = len(rows)
         counts = [len(tokens) for _, tokens, _ in rows]
-        layouts = [p.tree_rows(len(tokens), start) for p, tokens, start in rows]
         trees = [lay for lay in layouts if isinstance(lay, tuple)]
         positions = prefix = extra_off = extra = None
         if trees:  # every row's position and prefix given; a chain's as the kernel's own

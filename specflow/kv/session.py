@@ -58,14 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError, PromptTooLongError
-from specflow.kv.base import (
-    AttendedKV,
-    ExitAdapter,
-    LayeredLM,
-    LayerKV,
-    SelfManagedKV,
-    StaticPath,
-)
+from specflow.kv.base import AttendedKV, ExitAdapter, LayeredLM, LayerKV, SelfManagedKV, StaticPath
 from specflow.kv.contiguous import KVCache, layer_caches
 from specflow.kv.fused import FusedForward, fused_path
 from specflow.kv.tree import TreeLayout, path_rows
@@ -628,19 +621,23 @@ def forward_hidden(requests: list[tuple[ModelSession, int, int]]) -> list[tuple[
     return [sess._result(exit_layer) for sess, exit_layer, _ in requests]
 
 
+def _whole_forward(sess: ModelSession, exit_layer: int, start: int) -> bool:
+    """Whether a forward of ``sess`` to ``exit_layer`` from ``start`` is one a path outside
+    the layer loop may run: the last exit, every layer at ``start`` (no partial layers
+    pending), no adapter fed (it keeps ``h_L`` between layers) and no layer inputs kept."""
+    return (exit_layer == sess.num_layers and not sess.adapters and not sess.held
+            and all(sess.computed(layer) == start for layer in range(sess.num_layers)))
+
+
 def _fused_forward(requests: list[tuple[ModelSession, int, int]]
                    ) -> list[tuple[torch.Tensor, int]] | None:
     """``forward_hidden`` of the requests by their sessions' fused path (``specflow.kv.
-    fused``), or ``None`` (the layer loop runs them): only full forwards fit it -- every
-    request at the last exit with every layer at the same position, no adapter fed, no layer
-    inputs kept -- and the path decides the rest (``FusedForward.fits``)."""
+    fused``), or ``None`` (the layer loop runs them): only full forwards fit it
+    (``_whole_forward``), and the path decides the rest (``FusedForward.fits``)."""
     rows = []
     for sess, exit_layer, end in requests:
-        n = sess.num_layers
-        if sess.fused is None or exit_layer != n or sess.adapters or sess.held:
-            return None
         start = sess.computed(0)
-        if end <= start or any(sess.computed(layer) != start for layer in range(1, n)):
+        if sess.fused is None or end <= start or not _whole_forward(sess, exit_layer, start):
             return None
         rows.append((sess.fused, sess.tokens[start:end], start))
     first = requests[0][0].fused
@@ -723,9 +720,7 @@ def _static_forward(static: StaticPath, queries: list[Query]) -> list[torch.Tens
     ``h_L`` between layers, which the static path never hands out) or keeps layer inputs
     (likewise), and no session lays out a token tree (the static path's rows are chains)."""
     for sess, exit_layer, start, _ in queries:
-        depth = sess.num_layers
-        if (exit_layer != depth or sess.adapters or sess.tree is not None or sess.held
-                or any(sess.computed(layer) != start for layer in range(depth))):
+        if sess.tree is not None or not _whole_forward(sess, exit_layer, start):
             static.note_eager()
             return None
     out = static.run([(s.seq_id, s.tokens[start:end], start) for s, _, start, end in queries])
