@@ -103,18 +103,21 @@ def _complete_trials(storage: str) -> list:
     return [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
 
 
-def _complete_trials_while_created(storage: str) -> list:
-    """``_complete_trials`` of a database another process may still be creating: while it
-    writes the schema (the file exists, its tables not yet, or both processes would insert
-    the schema's version row), reading it fails, and counts as no trial yet."""
-    import optuna
-    import sqlalchemy.exc
+def _completed_count_read_only(db: Path) -> int:
+    """How many trials another process's study has completed, read without writing: a
+    read-only SQLite connection, so this test never races the running search while it
+    creates the schema (``optuna.load_study`` would insert the schema's version row itself,
+    and the search could then fail on its own insert).  Unreadable (the file or its tables
+    not yet there, or locked) counts as none yet."""
+    import sqlite3
+    from contextlib import closing
 
+    query = "SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'"
     try:
-        return _complete_trials(storage)
-    except (KeyError, sqlalchemy.exc.SQLAlchemyError,  # no study yet / schema half-written
-            optuna.exceptions.StorageInternalError):
-        return []
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)) as conn:
+            return conn.execute(query).fetchone()[0]
+    except sqlite3.Error:
+        return 0
 
 
 def _finished_trials(storage: str) -> list:
@@ -133,18 +136,24 @@ def test_optuna_search_persists_and_resumes_after_a_kill(tmp_path):
     storage = f"sqlite:///{db}"
 
     # 1. a search of 3 trials, killed (SIGKILL) once its first trial is in the study
-    first = subprocess.Popen([sys.executable, "run.py", *_optuna_args(storage, tmp_path / "a", 3)],
-                             cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "first.log"
+    with log.open("w") as err:
+        first = subprocess.Popen(
+            [sys.executable, "run.py", *_optuna_args(storage, tmp_path / "a", 3)], cwd=ROOT,
+            env=_env(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and first.poll() is None:
-            if db.exists() and _complete_trials_while_created(storage):
+            if _completed_count_read_only(db):
                 break
             time.sleep(0.5)
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+    assert first.returncode == -signal.SIGKILL, (
+        f"the search ended by itself (exit {first.returncode}) before it could be killed:\n"
+        + log.read_text()[-3000:])
     done = _complete_trials(storage)
     assert 1 <= len(done) < 3, "the search finished before it could be killed"
 

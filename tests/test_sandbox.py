@@ -208,8 +208,9 @@ def test_fork_storm_is_contained(mode: str) -> None:
     elapsed = time.monotonic() - start
     assert elapsed < 10.0
     assert not result.passed and result.status in ("process_limit", "timeout")
-    assert result.status == "process_limit"  # the watchdog, well before the timeout
-    assert elapsed < 3.0
+    # the watchdog ended it before the 3 s timeout (the status says which); the reaping after
+    # it is not timed, as a loaded machine slows it
+    assert result.status == "process_limit"
     time.sleep(0.2)
     assert _processes_with(marker) == []
 
