@@ -225,6 +225,13 @@ class SpeculativePipeline:
         return self.target_verifier.info
 
     # ------------------------------------------------------------------ one round
+    def forget_requests(self) -> None:
+        """The draft-length policy drops its prior from earlier requests
+        (``DraftLengthPolicy.forget``; the runner calls this after its warm-up).  A nested
+        pipeline drafting for this one keeps its own policy's."""
+        if self.draft_length is not None:
+            self.draft_length.forget()
+
     def begin(self, states: list[DecodeState]) -> None:
         """New requests start: every stage prefills / resets (batched).  First, each
         request's sessions learn which exits with an attention adapter a stage reads

@@ -288,6 +288,11 @@ class DraftLengthPolicy(Protocol):
         """What the request's round did (tokens drafted and accepted, seconds drafting,
         verifying and catching up, the part that drafted, verify rows)."""
 
+    def forget(self) -> None:
+        """Drop what earlier requests taught it (a prior a policy carries from request to
+        request), so the next request starts as a run's first: called after the runner's
+        untimed warm-up, whose fixed prompt says nothing of the workload."""
+
 
 @runtime_checkable
 class Pipeline(Protocol):
@@ -314,6 +319,11 @@ class Pipeline(Protocol):
 
     def begin(self, states: list[DecodeState]) -> None:
         """New requests start: every stage prefills / resets (batched)."""
+
+    def forget_requests(self) -> None:
+        """Stages drop what earlier requests taught them (the draft-length policy's prior),
+        so the next request starts as a run's first: the runner calls it after its untimed
+        warm-up."""
 
     def run_round(
         self, states: list[DecodeState], budgets: list[int]

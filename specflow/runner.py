@@ -314,13 +314,17 @@ class Runner:
         """Untimed short generations so that first-call costs don't land in a measurement: a
         fixed prompt (``WARM_UP``), none of the workload's, so that a drafter that keeps what it
         has seen (token trees' tables, suffix index) is handed no measured answer; as many as
-        a batch of the run holds."""
+        a batch of the run holds.  Then each pipeline forgets what the warm-up taught its
+        draft-length policy (``Pipeline.forget_requests``)."""
         s = self.settings
         n = min(8, s.max_new_tokens)
         prompt = build_prompt(self.tokenizer, [{"role": "user", "content": WARM_UP}], s)
         warm = [SeqRequest(list(prompt), n) for _ in requests[: s.batch_size]]
         for scheduler in schedulers:
             scheduler.generate(warm, self.sampling)
+            # what the warm-up taught the stages (how often a draft was right on its prompt)
+            # is not the workload's: the first request starts as a run's first would
+            scheduler.pipeline.forget_requests()
 
     def _record(
         self, request: Request, turns: list[TurnResult], base: list[TurnResult] | None

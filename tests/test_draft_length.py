@@ -382,6 +382,81 @@ def test_a_cold_drafter_drafts_only_when_its_catch_up_pays_back(per_position, ma
     assert policy.choose(state, 4) == expected
 
 
+@pytest.mark.parametrize(("prefill_per_position", "expected"), [(1e-4, 4), (4e-3, 0)])
+def test_a_catch_up_is_priced_as_one_pass_over_the_positions_behind(prefill_per_position,
+                                                                    expected):
+    """c, the seconds per further position, comes from a long catch-up (the prefill of 100
+    positions); a short catch-up's dearer positions (5 at 4 ms) do not stand for a long
+    one's.  60 positions behind then cost t_draft + 59 c: with c = 0.1 ms (6.9 ms in all)
+    drafting pays back over the 20 tokens left (about 5.6 ms saved a token); with c = 4 ms
+    (0.237 s) it does not."""
+    policy = AdaptiveDraftLength(optimism=0.0, ema=1.0)
+    state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=400)
+    policy.begin(state)
+    model = policy.cost_model(state)
+    policy.observe(state, RoundReport(4, 4, 4 * 0.001, T1 * 1.4,
+                                      catchup_s=0.001 + 99 * prefill_per_position))
+    assert model.t_catchup == pytest.approx(prefill_per_position)
+    state.tokens += [0] * 5
+    policy.observe(state, RoundReport(4, 4, 4 * 0.001, T1 * 1.4, catchup_s=5 * 0.004))
+    assert model.t_catchup == pytest.approx(prefill_per_position)  # a short one: not refit
+    policy.observe(state, RoundReport(0, 0, 0.0, T1))  # t1 measured
+    state.tokens += [0] * 60
+    state.max_len = len(state.tokens) + 21  # 20 tokens still allowed
+    assert policy.choose(state, 4) == expected
+
+
+def test_forget_drops_the_prior_a_request_would_inherit():
+    """After ``forget`` (the runner's warm-up done) a request starts from nothing: no
+    inherited times or acceptance, so its first round drafts the limit to measure."""
+    policy = _policy_after_one_request(1e-4)
+    inherited = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=200)
+    policy.begin(inherited)
+    model = policy.cost_model(inherited)
+    assert (model.t_draft, model.tried) == (pytest.approx(0.001), pytest.approx(4.0))
+    policy.forget()
+    fresh = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=200)
+    policy.begin(fresh)
+    model = policy.cost_model(fresh)
+    assert (model.t_draft, model.t1, model.t_catchup, model.tried) == (None, None, None, 0.0)
+    assert policy.choose(fresh, 4) == 4
+
+
+def test_the_runners_warm_up_teaches_the_policy_nothing(tiny_target, tmp_path):
+    """The warm-up's rounds go through the policy, then ``Pipeline.forget_requests``: the
+    run's first request inherits nothing from it."""
+    from specflow.results.records import RunMeta
+    from specflow.results.run_folder import RunFolder
+    from specflow.runner import Runner
+    from specflow.sampling import SamplingParams
+    from specflow.settings import RunSettings
+    from specflow.workload import Request
+    from tests.conftest import CharTokenizer
+
+    _, lm = tiny_target
+    seen: list[tuple[float | None, float | None]] = []
+    forgotten: list[list[str]] = []
+
+    class FirstRequestsPrior(AdaptiveDraftLength):
+        def begin(self, state: DecodeState) -> None:
+            super().begin(state)
+            model = self.cost_model(state)
+            seen.append((model.t_draft, model.t1))  # what the request inherited
+
+        def forget(self) -> None:
+            forgotten.append(sorted(self._last))  # the parts the warm-up taught
+            super().forget()
+
+    pipe = SpeculativePipeline(FullVerifier(lm), StandardAcceptor(), drafter=PLDDrafter(k=4),
+                               draft_length=FirstRequestsPrior())
+    settings = RunSettings(max_new_tokens=6, warmup=True, baseline=False)
+    runner = Runner(pipe, CharTokenizer(), settings, SamplingParams())
+    runner.run([Request("a", "qa", ("abcabcabc",))], RunFolder(tmp_path, resume=False),
+               RunMeta(method="pld"))
+    assert forgotten == [[""]]  # the warm-up's rounds taught the one part, then were dropped
+    assert seen == [(None, None), (None, None)]  # the warm-up's request, the run's first
+
+
 def test_re_probes_are_skipped_while_the_catch_up_is_too_expensive():
     """A useless model drafter: after `probe_every` plain rounds the policy re-probes only
     if catching the drafter up costs at most `probe_budget` of the remaining time."""

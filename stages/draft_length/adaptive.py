@@ -71,10 +71,22 @@ runs one plain round early (its second round, or its first when timings are inhe
 that t1 is measured, not derived: from drafting rounds alone t1 and beta cannot be told
 apart, and t1 grows with the context.
 A model drafter that is behind (its lazy prefill, tokens committed while it sat idle) must
-catch up before it drafts; that one-off cost (measured seconds per position x positions
-behind) is charged against drafting: the policy resumes only when the expected saving over
-the tokens still allowed pays it back, and skips re-probes costing more than
-``probe_budget`` of the remaining time.
+catch up before it drafts: one pass of its model over the n positions behind, priced
+
+    t_catchup(n) = t_draft + c (n - 1)
+
+(a pass's fixed cost, about a drafted token's, and c seconds per further position).  c is
+measured from catch-ups of at least ``CATCHUP_FIT_ROWS`` positions (a prefill, a long idle
+spell), as ``(seconds - t_draft) / (n - 1)``: a pass over many rows costs far less per row
+than one over two, so the per-position cost of the short catch-ups that follow most drafting
+rounds, carried to a prompt's length, would price a useful drafter out of every later
+request.  That one-off cost is charged against drafting: the policy resumes only when the
+expected saving over the tokens still allowed pays it back, and skips re-probes costing more
+than ``probe_budget`` of the remaining time.
+
+``forget()`` drops the prior carried from request to request: the runner calls it after its
+untimed warm-up, whose fixed prompt says nothing of how often the drafter is right on the
+workload (a warm-up draft rejected there kept a drafter out of a whole run).
 """
 
 from __future__ import annotations
@@ -85,6 +97,10 @@ from dataclasses import dataclass, field
 from specflow.costs import RowPrices
 from specflow.errors import ConfigError
 from specflow.state import DecodeState, RequestLocal, RoundReport
+
+# Catch-ups of at least this many positions measure a drafter's cost per further position (a
+# shorter one, only until one of these is seen): module doc.
+CATCHUP_FIT_ROWS = 8
 
 
 @dataclass
@@ -98,7 +114,7 @@ class CostModel:
     beta: float = 0.1  # marginal cost of an extra verified token, relative to t1
     plain_streak: int = 0  # consecutive rounds without drafting
     t1_measured: bool = False  # a round of this request measured t1 (a plain one, unpriced)
-    t_catchup: float | None = None  # seconds per position of a drafter catch-up (EMA)
+    t_catchup: float | None = None  # c: seconds per further position of a catch-up (EMA)
     synced_at: int | None = None  # sequence length at this request's last drafting round
     verify_draft: float | None = None  # seconds of a drafting round's verification (EMA)
     k_draft: float | None = None  # tokens drafted in a drafting round (EMA, same weights)
@@ -347,14 +363,19 @@ class AdaptiveDraftLength:
 
     @staticmethod
     def _catchup_cost(state: DecodeState, m: CostModel) -> float:
-        """Expected seconds to bring the drafter up to date before it can draft: the
+        """Expected seconds to bring the drafter up to date before it can draft, for the n
         positions committed since this request's last drafting round (all of them when it
-        has not drafted yet: its prefill) times the measured catch-up time per position.
-        Zero until a catch-up was measured (model-free drafters never need one)."""
+        has not drafted yet: its prefill): ``t_draft + c (n - 1)`` (module doc).  Zero until
+        a catch-up was measured (model-free drafters never need one)."""
         if m.t_catchup is None:
             return 0.0
         behind = len(state.tokens) - (m.synced_at or 0)
-        return behind * m.t_catchup if behind > 1 else 0.0
+        return (m.t_draft or 0.0) + m.t_catchup * (behind - 1) if behind > 1 else 0.0
+
+    def forget(self) -> None:
+        """Drop the prior carried from request to request: the next request starts as a
+        run's first does (module doc)."""
+        self._last.clear()
 
     def observe(self, state: DecodeState, report: RoundReport) -> None:
         drafted, accepted = report.drafted, report.accepted
@@ -385,8 +406,10 @@ class AdaptiveDraftLength:
             return
         m.plain_streak = 0
         behind = len(state.tokens) - (m.synced_at or 0)
-        if catchup_s > 0.0 and behind > 1:
-            m.t_catchup = smooth(m.t_catchup, catchup_s / behind)
+        if catchup_s > 0.0 and behind > 1 and (behind >= CATCHUP_FIT_ROWS or m.t_catchup is None):
+            # c from this catch-up, its fixed part taken as this round's drafted token's cost
+            further = max(0.0, catchup_s - draft_s / drafted) / (behind - 1)
+            m.t_catchup = smooth(m.t_catchup, further)
         m.synced_at = len(state.tokens)
         m.tried = self.discount * m.tried + min(accepted + 1, drafted)
         m.accepted = self.discount * m.accepted + accepted

@@ -15,6 +15,9 @@ class FixedDraftLength:
     def use_prices(self, prices: RowPrices | None) -> None:
         pass
 
+    def forget(self) -> None:
+        pass  # nothing carried from request to request
+
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         return limit
 

@@ -25,6 +25,9 @@ class HeuristicDraftLength:
     def use_prices(self, prices: RowPrices | None) -> None:
         pass
 
+    def forget(self) -> None:
+        pass  # nothing carried from request to request
+
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         return min(self._k.get(state).get(part, self.initial), limit)
 
