@@ -647,7 +647,8 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
 // step by step: each step's code vector is decoded once and multiplied into all MC rows
 // before the next, so the live registers are the rows' int16 sums, one or two code vectors
 // and a broadcast; the rows' values of a super-block lie 256 bytes apart (Q8Rows), one base
-// pointer for all of them.
+// pointer for all of them.  A group of a few rows (kPairHalves) takes both halves of a full
+// tile in one pass, each broadcast multiplied into two code vectors (tile_chunk_pair).
 
 // The 4 codes of step st of each of the 8 weight rows of half h, chunk (j, side): the low (side
 // 0) or high (side 1) nibbles, and for Q6_K the top 2 bits of pair j (JODD = j % 2).
@@ -718,6 +719,85 @@ __attribute__((always_inline)) inline void tile_chunk(const uint8_t* t, int j, i
   }
 }
 
+// tile_chunk for both halves of a full tile at once, into sum[h][r] (and low[h][r]): each
+// broadcast of an activation row's 4 values is multiplied into both halves' code vectors, half
+// the broadcasts of two tile_chunk calls (on AVX2 the broadcasts, more than the products, bound
+// these loops at a few rows); the same integer sums as those two calls.
+template <int MC, bool Q6, int SIDE, int JODD>
+__attribute__((always_inline)) inline void tile_chunk_pair(const uint8_t* t, int j, const int8_t* x,
+                                                           const int16_t* bsum, long bsum_stride,
+                                                           __m256i (*sum)[MC], __m256i (*low)[MC]) {
+  constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
+  const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i second = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                          2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+  const int p = 2 * j + SIDE;  // Q6_K: the pair of groups 2p, 2p+1 (this chunk)
+  const uint8_t* scales = t + L.scales + (Q6 ? p : j) * 32;
+  const __m256i sp0 = Q6 ? _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)))
+                         : _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+  const __m256i sp1 = Q6 ? _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)))
+                         : _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)));
+  if (!Q6) {  // 8 steps summed in int16 (8 maddubs pairs of 4-bit codes: < 32768)
+    __m256i a16[MC], b16[MC];
+    {
+      const __m256i ca = chunk_codes<Q6, SIDE, JODD>(t, j, 0, 0);
+      const __m256i cb = chunk_codes<Q6, SIDE, JODD>(t, j, 0, 1);
+      for (int r = 0; r < MC; ++r) {
+        const __m256i xv = bcast4(x + 256 * r);
+        a16[r] = _mm256_maddubs_epi16(ca, xv);
+        b16[r] = _mm256_maddubs_epi16(cb, xv);
+      }
+    }
+    for (int st = 1; st < 8; ++st) {
+      const __m256i ca = chunk_codes<Q6, SIDE, JODD>(t, j, st, 0);
+      const __m256i cb = chunk_codes<Q6, SIDE, JODD>(t, j, st, 1);
+      for (int r = 0; r < MC; ++r) {
+        const __m256i xv = bcast4(x + 256 * r + 4 * st);
+        a16[r] = _mm256_add_epi16(a16[r], _mm256_maddubs_epi16(ca, xv));
+        b16[r] = _mm256_add_epi16(b16[r], _mm256_maddubs_epi16(cb, xv));
+        settle(a16[r]);
+        settle(b16[r]);
+      }
+    }
+    const __m256i sva = _mm256_shuffle_epi8(sp0, SIDE ? second : first);
+    const __m256i svb = _mm256_shuffle_epi8(sp1, SIDE ? second : first);
+    for (int r = 0; r < MC; ++r) {
+      sum[0][r] = _mm256_add_epi32(sum[0][r], _mm256_madd_epi16(a16[r], sva));
+      sum[1][r] = _mm256_add_epi32(sum[1][r], _mm256_madd_epi16(b16[r], svb));
+    }
+    return;
+  }
+  for (int k = 0; k < 4; ++k) {  // steps 2k, 2k + 1 in int16 (2 maddubs pairs of 6-bit codes)
+    const __m256i a0 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k, 0);
+    const __m256i a1 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k + 1, 0);
+    const __m256i b0 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k, 1);
+    const __m256i b1 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k + 1, 1);
+    const __m256i sva = _mm256_shuffle_epi8(sp0, k < 2 ? first : second);
+    const __m256i svb = _mm256_shuffle_epi8(sp1, k < 2 ? first : second);
+    for (int r = 0; r < MC; ++r) {
+      const int8_t* xr = x + 256 * r + 8 * k;
+      const __m256i x0 = bcast4(xr), x1 = bcast4(xr + 4);
+      const __m256i ta = _mm256_add_epi16(_mm256_maddubs_epi16(a0, x0), _mm256_maddubs_epi16(a1, x1));
+      const __m256i tb = _mm256_add_epi16(_mm256_maddubs_epi16(b0, x0), _mm256_maddubs_epi16(b1, x1));
+      sum[0][r] = _mm256_add_epi32(sum[0][r], _mm256_madd_epi16(ta, sva));
+      sum[1][r] = _mm256_add_epi32(sum[1][r], _mm256_madd_epi16(tb, svb));
+    }
+  }
+  for (int r = 0; r < MC; ++r) {
+    const __m256i bl = bcast4(bsum + r * bsum_stride + 2 * p);
+    low[0][r] = _mm256_add_epi32(low[0][r], _mm256_madd_epi16(bl, sp0));
+    low[1][r] = _mm256_add_epi32(low[1][r], _mm256_madd_epi16(bl, sp1));
+  }
+}
+
+// Whether a group of MC rows takes both halves of a full tile per broadcast
+// (tile_chunk_pair): where it measured faster, alternating with the half-at-a-time loop on a
+// 2-vCPU Zen 3 (Q6_K at 2-4 rows 3-38 % faster, Q4_K at 2 and 4 rows 8-14 %; Q4_K at 3 rows
+// and Q6_K at 1 slower; from 5 rows the two halves' sums no longer fit AVX2's 16 registers).
+template <int MC, bool Q6>
+constexpr bool kPairHalves = Q6 ? MC >= 2 && MC <= 4 : MC == 2 || MC == 4;
+
 template <int MC, bool Q6>
 void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, float* y, long ldy,
                long n0, int nvalid, bool fetch) {
@@ -737,17 +817,10 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
     }
     const int8_t* xb = block_at(xq, m0, b);  // row m0 + r's values of this super-block: xb + 256 r
     const int16_t* bsum = xq.bsum.data() + m0 * n16 + b * 16;
-    for (int h = 0; h < halves; ++h) {  // weight rows 8h .. 8h + 7
-      __m256i sum[MC], low[MC];
-      for (int r = 0; r < MC; ++r) sum[r] = low[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; j += 2) {
-        tile_chunk<MC, Q6, 0, 0>(t, j, h, xb + 64 * j, bsum, n16, sum, low);
-        tile_chunk<MC, Q6, 1, 0>(t, j, h, xb + 64 * j + 32, bsum, n16, sum, low);
-        tile_chunk<MC, Q6, 0, 1>(t, j + 1, h, xb + 64 * j + 64, bsum, n16, sum, low);
-        tile_chunk<MC, Q6, 1, 1>(t, j + 1, h, xb + 64 * j + 96, bsum, n16, sum, low);
-      }
+    const long dt = b * (xq.M + 8) + m0;
+    // the float steps of half h's sums into acc[h] (the header's sequence)
+    auto finish = [&](int h, const __m256i* sum, const __m256i* low) __attribute__((always_inline)) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + L.d + 16 * h)));
-      const long dt = b * (xq.M + 8) + m0;
       if (Q6) {
         for (int r = 0; r < MC; ++r) {
           const __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(xq.dt[dt + r]));
@@ -771,6 +844,34 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
           acc[h][r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(lw), _mm256_mul_ps(dmin, dx), acc[h][r]);
         }
       }
+    };
+    if constexpr (kPairHalves<MC, Q6>) {
+      if (halves == 2) {  // weight rows 0 .. 15, both halves per broadcast
+        __m256i sum[2][MC], low[2][MC];
+        for (int h = 0; h < 2; ++h) {
+          for (int r = 0; r < MC; ++r) sum[h][r] = low[h][r] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < 4; j += 2) {
+          tile_chunk_pair<MC, Q6, 0, 0>(t, j, xb + 64 * j, bsum, n16, sum, low);
+          tile_chunk_pair<MC, Q6, 1, 0>(t, j, xb + 64 * j + 32, bsum, n16, sum, low);
+          tile_chunk_pair<MC, Q6, 0, 1>(t, j + 1, xb + 64 * j + 64, bsum, n16, sum, low);
+          tile_chunk_pair<MC, Q6, 1, 1>(t, j + 1, xb + 64 * j + 96, bsum, n16, sum, low);
+        }
+        finish(0, sum[0], low[0]);
+        finish(1, sum[1], low[1]);
+        continue;
+      }
+    }
+    for (int h = 0; h < halves; ++h) {  // weight rows 8h .. 8h + 7
+      __m256i sum[MC], low[MC];
+      for (int r = 0; r < MC; ++r) sum[r] = low[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; j += 2) {
+        tile_chunk<MC, Q6, 0, 0>(t, j, h, xb + 64 * j, bsum, n16, sum, low);
+        tile_chunk<MC, Q6, 1, 0>(t, j, h, xb + 64 * j + 32, bsum, n16, sum, low);
+        tile_chunk<MC, Q6, 0, 1>(t, j + 1, h, xb + 64 * j + 64, bsum, n16, sum, low);
+        tile_chunk<MC, Q6, 1, 1>(t, j + 1, h, xb + 64 * j + 96, bsum, n16, sum, low);
+      }
+      finish(h, sum, low);
     }
   }
   for (int h = 0; h < halves; ++h) {
