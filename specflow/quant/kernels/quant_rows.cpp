@@ -647,7 +647,7 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
 // step by step: each step's code vector is decoded once and multiplied into all MC rows
 // before the next, so the live registers are the rows' int16 sums, one or two code vectors
 // and a broadcast; the rows' values of a super-block lie 256 bytes apart (Q8Rows), one base
-// pointer for all of them.  A group of a few rows (kPairHalves) takes both halves of a full
+// pointer for all of them.  A group of 2-7 rows (kPairHalves) takes both halves of a full
 // tile in one pass, each broadcast multiplied into two code vectors (tile_chunk_pair).
 
 // The 4 codes of step st of each of the 8 weight rows of half h, chunk (j, side): the low (side
@@ -792,11 +792,11 @@ __attribute__((always_inline)) inline void tile_chunk_pair(const uint8_t* t, int
 }
 
 // Whether a group of MC rows takes both halves of a full tile per broadcast
-// (tile_chunk_pair): where it measured faster, alternating with the half-at-a-time loop on a
-// 2-vCPU Zen 3 (Q6_K at 2-4 rows 3-38 % faster, Q4_K at 2 and 4 rows 8-14 %; Q4_K at 3 rows
-// and Q6_K at 1 slower; from 5 rows the two halves' sums no longer fit AVX2's 16 registers).
+// (tile_chunk_pair): where whole 1.5B passes measured faster, alternating with the
+// half-at-a-time loop on a 2-vCPU Zen 3 (3-7 rows 8-20 % faster); not Q4_K's 3 rows nor
+// Q6_K's 1 (slower alone, no faster in a pass), nor a group of 8 (its 16 int16 sums spill).
 template <int MC, bool Q6>
-constexpr bool kPairHalves = Q6 ? MC >= 2 && MC <= 4 : MC == 2 || MC == 4;
+constexpr bool kPairHalves = Q6 ? MC >= 2 && MC <= 7 : MC == 2 || (MC >= 4 && MC <= 7);
 
 template <int MC, bool Q6>
 void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, float* y, long ldy,
