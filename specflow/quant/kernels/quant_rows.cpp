@@ -672,22 +672,34 @@ __attribute__((always_inline)) inline __m256i chunk_codes(const uint8_t* t, int 
 // spilled for several rows).
 __attribute__((always_inline)) inline void settle(__m256i& v) { asm("" : "+x"(v)); }
 
+// Half h's scales of chunk (j, SIDE), widened to int16: Q4_K's pair j (unsigned), Q6_K's pair
+// of groups 2j + SIDE (signed); each weight row's two scales side by side.
+template <bool Q6, int SIDE>
+__attribute__((always_inline)) inline __m256i chunk_scales(const uint8_t* t, int j, int h) {
+  constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
+  const __m128i v = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(t + L.scales + (Q6 ? 2 * j + SIDE : j) * 32 + 16 * h));
+  return Q6 ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
+}
+
+// Each weight row's first (second = false) or second scale of its pair in sp, as the (s, s)
+// int16 pairs that madd multiplies a row's maddubs sums by.
+__attribute__((always_inline)) inline __m256i scale_pairs(__m256i sp, bool second) {
+  const __m256i first_of = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                            0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i second_of = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                             2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+  return _mm256_shuffle_epi8(sp, second ? second_of : first_of);
+}
+
 // Chunk (j, side) of half h of super-block t into sum[r] (and Q6_K's low[r]) for MC rows
 // whose values of this chunk start at x (row r at x + 256 r).
 template <int MC, bool Q6, int SIDE, int JODD>
 __attribute__((always_inline)) inline void tile_chunk(const uint8_t* t, int j, int h,
                                                       const int8_t* x, const int16_t* bsum,
                                                       long bsum_stride, __m256i* sum, __m256i* low) {
-  constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
-  const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-  const __m256i second = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
-                                          2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
   const int p = 2 * j + SIDE;  // Q6_K: the pair of groups 2p, 2p+1 (this chunk)
-  const __m256i sp = Q6 ? _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                              reinterpret_cast<const __m128i*>(t + L.scales + p * 32 + 16 * h)))
-                        : _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                              reinterpret_cast<const __m128i*>(t + L.scales + j * 32 + 16 * h)));
+  const __m256i sp = chunk_scales<Q6, SIDE>(t, j, h);
   if (!Q6) {  // 8 steps summed in int16 (8 maddubs pairs of 4-bit codes: < 32768)
     __m256i t16[MC];
     const __m256i c0 = chunk_codes<Q6, SIDE, JODD>(t, j, 0, h);
@@ -699,14 +711,14 @@ __attribute__((always_inline)) inline void tile_chunk(const uint8_t* t, int j, i
         settle(t16[r]);
       }
     }
-    const __m256i sv = _mm256_shuffle_epi8(sp, SIDE ? second : first);
+    const __m256i sv = scale_pairs(sp, SIDE);
     for (int r = 0; r < MC; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(t16[r], sv));
     return;
   }
   for (int k = 0; k < 4; ++k) {  // steps 2k, 2k + 1 in int16 (2 maddubs pairs of 6-bit codes)
     const __m256i c0 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k, h);
     const __m256i c1 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k + 1, h);
-    const __m256i sv = _mm256_shuffle_epi8(sp, k < 2 ? first : second);
+    const __m256i sv = scale_pairs(sp, k >= 2);
     for (int r = 0; r < MC; ++r) {
       const int8_t* xr = x + 256 * r + 8 * k;
       const __m256i t16 = _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4(xr)),
@@ -727,17 +739,8 @@ template <int MC, bool Q6, int SIDE, int JODD>
 __attribute__((always_inline)) inline void tile_chunk_pair(const uint8_t* t, int j, const int8_t* x,
                                                            const int16_t* bsum, long bsum_stride,
                                                            __m256i (*sum)[MC], __m256i (*low)[MC]) {
-  constexpr TileLayout L = Q6 ? kQ6KTile : kQ4KTile;
-  const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-  const __m256i second = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
-                                          2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
   const int p = 2 * j + SIDE;  // Q6_K: the pair of groups 2p, 2p+1 (this chunk)
-  const uint8_t* scales = t + L.scales + (Q6 ? p : j) * 32;
-  const __m256i sp0 = Q6 ? _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)))
-                         : _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
-  const __m256i sp1 = Q6 ? _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)))
-                         : _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)));
+  const __m256i sp0 = chunk_scales<Q6, SIDE>(t, j, 0), sp1 = chunk_scales<Q6, SIDE>(t, j, 1);
   if (!Q6) {  // 8 steps summed in int16 (8 maddubs pairs of 4-bit codes: < 32768)
     __m256i a16[MC], b16[MC];
     {
@@ -760,8 +763,7 @@ __attribute__((always_inline)) inline void tile_chunk_pair(const uint8_t* t, int
         settle(b16[r]);
       }
     }
-    const __m256i sva = _mm256_shuffle_epi8(sp0, SIDE ? second : first);
-    const __m256i svb = _mm256_shuffle_epi8(sp1, SIDE ? second : first);
+    const __m256i sva = scale_pairs(sp0, SIDE), svb = scale_pairs(sp1, SIDE);
     for (int r = 0; r < MC; ++r) {
       sum[0][r] = _mm256_add_epi32(sum[0][r], _mm256_madd_epi16(a16[r], sva));
       sum[1][r] = _mm256_add_epi32(sum[1][r], _mm256_madd_epi16(b16[r], svb));
@@ -773,8 +775,7 @@ __attribute__((always_inline)) inline void tile_chunk_pair(const uint8_t* t, int
     const __m256i a1 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k + 1, 0);
     const __m256i b0 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k, 1);
     const __m256i b1 = chunk_codes<Q6, SIDE, JODD>(t, j, 2 * k + 1, 1);
-    const __m256i sva = _mm256_shuffle_epi8(sp0, k < 2 ? first : second);
-    const __m256i svb = _mm256_shuffle_epi8(sp1, k < 2 ? first : second);
+    const __m256i sva = scale_pairs(sp0, k >= 2), svb = scale_pairs(sp1, k >= 2);
     for (int r = 0; r < MC; ++r) {
       const int8_t* xr = x + 256 * r + 8 * k;
       const __m256i x0 = bcast4(xr), x1 = bcast4(xr + 4);
