@@ -77,13 +77,15 @@ def test_products_match_the_8_bit_activations_reference(ggml_type):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(ggml_type):
     matrix, _ = weights(ggml_type, n=37)
-    x = torch.randn(20, K, generator=torch.Generator().manual_seed(2)) * 3
+    # 530 rows: a span of 512 (the rows whose 8-bit values, K bytes each, fit the 256 KiB a
+    # product keeps in cache), then 18: a chunk of 16, then 2
+    x = torch.randn(530, K, generator=torch.Generator().manual_seed(2)) * 3
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        together = quant_linear(x, matrix, None)  # 20 rows: a chunk of 16, then 4
+        together = quant_linear(x, matrix, None)
         torch.set_num_threads(1)
-        alone = torch.cat([quant_linear(x[i : i + 1], matrix, None) for i in range(20)])
+        alone = torch.cat([quant_linear(x[i : i + 1], matrix, None) for i in range(530)])
         mixed = quant_linear(torch.cat([x[7:12], x[:3]]), matrix, None)
     finally:
         torch.set_num_threads(threads)
@@ -128,12 +130,15 @@ VECTOR_BUILDS = [b for b in ("avx512", "avx2") if b in kernel.runnable_builds()]
 
 @pytest.mark.skipif(not VECTOR_BUILDS, reason="the CPU lacks AVX2, FMA or F16C")
 @pytest.mark.parametrize("build", VECTOR_BUILDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 35, 530])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_each_vector_build_gives_the_portable_builds_bits(ggml_type, rows, build, monkeypatch):
     """Every build this CPU runs against the portable one: K-quant tiles take rows in groups
-    of up to 8 (17 rows: a chunk of 16 as 8 + 8, then 1; on AVX2 a group of 2-7 rows takes
-    both halves of a tile per broadcast, a larger one a half at a time), 32-block tiles one
+    of up to 8 (17 rows: a chunk of 16 as 8 + 8, then 1; 35: two chunks of 16, then 3, a
+    thread taking all of them through a tile before the next; 530: a span of the 512 rows
+    whose values (K = 512 bytes a row) fit the 256 KiB kept in cache, then one of 18; on
+    AVX2 a group of 2-7 rows
+    takes both halves of a tile per broadcast, a larger one a half at a time), 32-block tiles one
     row at a time in 8 lane accumulators (Q5_0 from 3 rows: a block's codes decoded once for
     all of them);
     29 weight rows end in a tile of 13 (both halves, the second partial).  The first row's

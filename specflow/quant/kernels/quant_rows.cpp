@@ -67,7 +67,14 @@ enum GgmlType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14,
 };
 
-constexpr int kRowsChunk = 16;  // rows a pass over the weights takes at most
+constexpr int kRowsChunk = 16;  // activation rows a tile is multiplied into at a time
+// Activation rows whose 8-bit values (K bytes a row) a product keeps in a core's cache while
+// every tile passes them (quant_rows_linear_parts): 256 KiB of them, whole chunks, at least one.
+constexpr long kRowsCacheBytes = 256 * 1024;
+inline int rows_in_cache(long K) {
+  const long rows = kRowsCacheBytes / K / kRowsChunk * kRowsChunk;
+  return rows > kRowsChunk ? static_cast<int>(rows) : kRowsChunk;
+}
 // Values a call multiplies (or quantizes) below which it runs on one thread: a parallel
 // region costs more than a small matrix's product, and far more where other processes hold
 // the cores (a thread the barrier waits for is not running).
@@ -903,20 +910,22 @@ constexpr std::array<TileRowsFn, kTileGroup> kTileRowsFns[2] = {
     tile_rows_table<true>(std::make_integer_sequence<int, kTileGroup>())};
 #endif
 
-// Tile tt of a K-quant matrix (N rows) for activation rows [m0, m0 + mc).
+// Tile tt of a K-quant matrix (N rows) for activation rows [m0, m0 + mc); first: the first
+// rows of a span to meet this tile (its bytes still in memory, fetched ahead).
 void tile_outputs(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq, int m0, int mc,
-                  float* y, long ldy, long tt, long N) {
+                  float* y, long ldy, long tt, long N, bool first) {
   const long nblocks = xq.K / 256;
   const long n0 = tt * kTileRows;
   const int nvalid = N - n0 < kTileRows ? static_cast<int>(N - n0) : kTileRows;
   const uint8_t* tile = w + tt * tile_bytes;
 #if defined(__AVX2__)
   const auto& fns = kTileRowsFns[type == kQ6_K];
-  for (int g = 0; g < mc; g += kTileGroup) {
+  for (int g = 0; g < mc; g += kTileGroup) {  // the tile's next super-block fetched by the first
     const int rows = mc - g < kTileGroup ? mc - g : kTileGroup;
-    fns[rows - 1](tile, nblocks, xq, m0 + g, y, ldy, n0, nvalid, g == 0);
+    fns[rows - 1](tile, nblocks, xq, m0 + g, y, ldy, n0, nvalid, first && g == 0);
   }
 #else  // portable: each tile row's super-block unpacked once, then multiplied into every row
+  (void)first;
   const TileLayout& L = tile_layout(type);
   const long K = xq.K, n16 = K / 16;
   RowSuper s;
@@ -1206,6 +1215,10 @@ int quant_repack(int type, const uint8_t* w, long N, long K, uint8_t* out, int t
 // gate/up), x [M, K] float32 row-major, y with row stride ldy; part p in types[p], as its
 // tiles (quant_repack).  The activations are quantized once per block size, and all the parts'
 // outputs are shared out over the threads in one parallel region (a tile of 16 rows a unit).
+// Rows go in spans that fit a core's cache (rows_in_cache): per span, a thread takes every
+// row of it through its tile, kRowsChunk rows at a time, before the next tile, so the weights
+// stream from memory once per span, not once per chunk of rows (the 1.5B's 64-row passes
+// 7-12 % cheaper than chunks outermost; at 1024 rows level; the same bits).
 // Returns 0, or -1 for a bad type or shape.
 int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* blocks,
                             const long* rows, int M, const float* x, long K, float* y, long ldy,
@@ -1231,18 +1244,23 @@ int quant_rows_linear_parts(int parts, const int* types, const uint8_t* const* b
   if (x256) quantize_rows(x, M, K, 256, threads, x256);
   if (x32) quantize_rows(x, M, K, 32, threads, x32);
   const long units = first[parts];
-  for (int m0 = 0; m0 < M; m0 += kRowsChunk) {
-    const int mc = M - m0 < kRowsChunk ? M - m0 : kRowsChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (mc * work_a_row >= 1.0)
+  const int span = rows_in_cache(K);
+  for (int b0 = 0; b0 < M; b0 += span) {
+    const int b1 = M - b0 < span ? M : b0 + span;
+#pragma omp parallel for schedule(static) num_threads(threads) if ((b1 - b0) * work_a_row >= 1.0)
     for (long u = 0; u < units; ++u) {
       int p = 0;
       while (u >= first[p + 1]) ++p;
       const long local = u - first[p];
-      if (info[p].k_quant) {
-        tile_outputs(types[p], blocks[p], bytes[p], *x256, m0, mc, y + col[p], ldy, local, rows[p]);
-      } else {
-        tile32_outputs(types[p], info[p], blocks[p], bytes[p], *x32, m0, mc, y + col[p], ldy,
-                       local, rows[p]);
+      for (int m0 = b0; m0 < b1; m0 += kRowsChunk) {
+        const int mc = b1 - m0 < kRowsChunk ? b1 - m0 : kRowsChunk;
+        if (info[p].k_quant) {
+          tile_outputs(types[p], blocks[p], bytes[p], *x256, m0, mc, y + col[p], ldy, local,
+                       rows[p], m0 == b0);
+        } else {
+          tile32_outputs(types[p], info[p], blocks[p], bytes[p], *x32, m0, mc, y + col[p], ldy,
+                         local, rows[p]);
+        }
       }
     }
   }
