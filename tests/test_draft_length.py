@@ -376,10 +376,41 @@ def _policy_after_one_request(catchup_per_position: float) -> AdaptiveDraftLengt
 )
 def test_a_cold_drafter_drafts_only_when_its_catch_up_pays_back(per_position, max_new, expected):
     policy = _policy_after_one_request(per_position)
-    state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=100 + max_new + 1)
+    state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=100 + max_new + 2)
     policy.begin(state)
     policy.observe(state, RoundReport(0, 0, 0.0, T1))  # this request's t1 probe
+    state.tokens.append(0)  # its token
     assert policy.choose(state, 4) == expected
+
+
+@pytest.mark.parametrize("first_token_plain", [True, False])
+def test_the_first_token_does_not_wait_for_a_drafters_catch_up(first_token_plain):
+    """A drafter that would catch up first (here a cheap one that pays back) drafts from
+    the request's second round: its first token comes after one target pass.  (Priced rows:
+    without them, a request's first round with inherited timings is plain anyway, to
+    measure t1.)"""
+    policy = _policy_after_one_request(1e-4)
+    policy.first_token_plain = first_token_plain
+    policy.use_prices(FLAT_TO_6)
+    state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=300)
+    policy.begin(state)
+    assert policy.choose(state, 4) == (0 if first_token_plain else 4)
+    policy.observe(state, RoundReport(0, 0, 0.0, T1))
+    state.tokens.append(0)
+    assert policy.choose(state, 4) == 4
+
+
+def test_a_drafter_without_a_catch_up_drafts_the_first_token():
+    """Prompt lookup (no model, no catch-up ever measured) drafts in the first round."""
+    policy = AdaptiveDraftLength(optimism=0.0, prior_strength=8.0)
+    policy.use_prices(FLAT_TO_6)
+    first = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=400)
+    policy.begin(first)
+    policy.observe(first, RoundReport(4, 4, 4 * 0.001, T1, rows=5, batch_rows=5))
+    state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=400)
+    policy.begin(state)
+    assert policy.cost_model(state).t_catchup is None
+    assert policy.choose(state, 4) == 4
 
 
 @pytest.mark.parametrize(("prefill_per_position", "expected"), [(1e-4, 4), (4e-3, 0)])

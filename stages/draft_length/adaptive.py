@@ -84,6 +84,11 @@ request.  That one-off cost is charged against drafting: the policy resumes only
 expected saving over the tokens still allowed pays it back, and skips re-probes costing more
 than ``probe_budget`` of the remaining time.
 
+With ``first_token_plain`` (the default) a request's first round is plain whenever drafting
+would first cost a catch-up: the first token then comes after one target pass, as in plain
+decoding, instead of after the drafter's prefill too (time to first token), and the drafter
+catches up in a later round, at most one round's saving lost.
+
 ``forget()`` drops the prior carried from request to request: the runner calls it after its
 untimed warm-up, whose fixed prompt says nothing of how often the drafter is right on the
 workload (a warm-up draft rejected there kept a drafter out of a whole run).
@@ -213,6 +218,8 @@ class AdaptiveDraftLength:
         row_prices: price verify rows with the target verifier's measured ``row_prices``
             where it has them (the default; module doc); false: fit beta from the rounds'
             times always.
+        first_token_plain: a request's first round is plain where drafting would first
+            cost a catch-up (the first token after one target pass; module doc).
     """
 
     def __init__(
@@ -229,6 +236,7 @@ class AdaptiveDraftLength:
         position_strength: float = 2.0,
         by_part: bool = True,
         row_prices: bool = True,
+        first_token_plain: bool = True,
     ) -> None:
         if acceptance not in ACCEPTANCE_MODELS:
             raise ConfigError(
@@ -243,6 +251,7 @@ class AdaptiveDraftLength:
         self.position_strength = position_strength
         self.by_part = by_part
         self.row_prices = row_prices
+        self.first_token_plain = first_token_plain
         self._prices: RowPrices | None = None  # the target's, once given (use_prices)
         if not 0.0 < discount <= 1.0:
             raise ConfigError(f"draft_length.discount must be in (0, 1], got {discount}")
@@ -340,6 +349,8 @@ class AdaptiveDraftLength:
             # With priced rows every round measures t1 (module doc).
             return 0
         catchup = self._catchup_cost(state, m)
+        if catchup > 0.0 and self.first_token_plain and len(state.tokens) == state.prompt_len:
+            return 0  # the first token first: the catch-up waits for a later round
         remaining = max(0, state.max_len - 1 - len(state.tokens))  # tokens still allowed
         plain_s = self.verify_seconds(m, 0)  # a plain round's seconds (t1 unpriced)
         if m.plain_streak >= self.probe_every:
