@@ -30,12 +30,15 @@ from tests.conftest import hf_greedy
 from tests.test_engine_greedy import OracleDrafter
 
 T1 = 0.010  # seconds of a one-token target pass in the synthetic cost model
+# The synthetic requests below hold a prompt token and one generated token: past the first
+# round, which draft_length.first_token_plain keeps plain for a drafter not yet measured
+# (test_the_first_token_does_not_wait_for_a_drafters_catch_up).
 
 
 def simulate(policy, accept_all: bool, rounds: int = 200, k_max: int = 8,
              t_draft: float = 0.001, beta: float = 0.1) -> list[int]:
     """Feed a policy synthetic rounds; returns the k it chose each round."""
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     ks = []
     for _ in range(rounds):
@@ -89,8 +92,10 @@ def test_adaptive_pipeline_keeps_greedy_identity(tiny_target, mode):
     if mode == "always":  # every round drafts the most it may: min(k, tokens left - 1) ...
         generated = 0
         for i, chosen in enumerate(gen.stats.asked_per_round):
-            assert chosen == (0 if i == 1 else min(6, len(truth) - generated - 1))
-            generated += chosen + 1  # ... but round 2, one plain round that measures t1
+            assert chosen == (0 if i == 0 else min(6, len(truth) - generated - 1))
+            # ... but round 1: plain, the first token first (the drafter not yet measured),
+            # which also measures t1
+            generated += chosen + 1
     if mode == "never":
         assert gen.stats.asked_per_round.count(0) > gen.stats.rounds // 2
 
@@ -99,7 +104,7 @@ def test_a_new_request_inherits_the_previous_evidence():
     """After a request whose drafts all failed, the next one starts with k = 0 at once."""
     policy = AdaptiveDraftLength()
     simulate(policy, accept_all=False, rounds=40)
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     assert policy.choose(state, 8) == 0  # the plain round measuring t1 ...
     policy.observe(state, RoundReport(0, 0, 0.0, T1))
@@ -126,7 +131,7 @@ def alternate_parts(policy, key_of) -> dict[str, list[int]]:
     """200 synthetic rounds alternating a fallback's copier (part ``first``: every token
     accepted) and its head (``then``: none), each fed to the policy under ``key_of(part)``;
     returns the k chosen per part."""
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     chosen: dict[str, list[int]] = {"first": [], "then": []}
     for r in range(200):
@@ -155,7 +160,7 @@ def test_adaptive_keeps_each_part_of_a_drafter_apart():
 
 def test_a_plain_round_measures_t1_for_every_part():
     policy = AdaptiveDraftLength()
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     assert policy.choose(state, 4, "first") == 4  # no times yet: draft to measure them
     policy.observe(state, RoundReport(4, 4, 0.004, 0.014, part="first"))
@@ -343,7 +348,7 @@ def test_each_request_measures_t1_in_one_plain_round():
     rounds with a guessed beta: a drafter costing 0.5 t1 per token with beta = 0.5 and
     alpha = 0.5 loses to plain decoding, and the policy sees it."""
     policy = AdaptiveDraftLength(optimism=0.0)
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     assert policy.choose(state, 4) == 4  # first: measure drafting
     policy.observe(state, RoundReport(4, 1, 4 * 0.5 * T1, T1 * (1 + 0.5 * 4)))
@@ -401,11 +406,14 @@ def test_the_first_token_does_not_wait_for_a_drafters_catch_up(first_token_plain
 
 
 def test_a_drafter_without_a_catch_up_drafts_the_first_token():
-    """Prompt lookup (no model, no catch-up ever measured) drafts in the first round."""
+    """Prompt lookup (no model: its rounds never report a catch-up), once measured in a
+    request, drafts in the next request's first round; in the run's first request nothing
+    says it needs no catch-up, so that first round is plain."""
     policy = AdaptiveDraftLength(optimism=0.0, prior_strength=8.0)
     policy.use_prices(FLAT_TO_6)
     first = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=400)
     policy.begin(first)
+    assert policy.choose(first, 4) == 0
     policy.observe(first, RoundReport(4, 4, 4 * 0.001, T1, rows=5, batch_rows=5))
     state = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=400)
     policy.begin(state)
@@ -439,7 +447,8 @@ def test_a_catch_up_is_priced_as_one_pass_over_the_positions_behind(prefill_per_
 
 def test_forget_drops_the_prior_a_request_would_inherit():
     """After ``forget`` (the runner's warm-up done) a request starts from nothing: no
-    inherited times or acceptance, so its first round drafts the limit to measure."""
+    inherited times or acceptance: its first round is plain (the first token first: nothing
+    says the drafter needs no catch-up), its second drafts the limit to measure."""
     policy = _policy_after_one_request(1e-4)
     inherited = DecodeState(tokens=list(range(100)), prompt_len=100, max_len=200)
     policy.begin(inherited)
@@ -450,6 +459,9 @@ def test_forget_drops_the_prior_a_request_would_inherit():
     policy.begin(fresh)
     model = policy.cost_model(fresh)
     assert (model.t_draft, model.t1, model.t_catchup, model.tried) == (None, None, None, 0.0)
+    assert policy.choose(fresh, 4) == 0
+    policy.observe(fresh, RoundReport(0, 0, 0.0, T1))
+    fresh.tokens.append(0)
     assert policy.choose(fresh, 4) == 4
 
 
@@ -512,7 +524,7 @@ def test_beta_is_refit_against_the_latest_t1():
     measured after the context grew counts as a cost of drafting only until a plain round
     re-measures t1 at that context (exact numbers: ema = 1 keeps the latest measurement)."""
     policy = AdaptiveDraftLength(optimism=0.0, ema=1.0)
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     model = policy.cost_model(state)
     # t1 still derived: beta unchanged
@@ -531,7 +543,7 @@ def _rounds_until_it_drafts_again(idle_discount: float, limit: int = 60) -> int 
     """Ten failed one-token drafts, then plain rounds: the first round that drafts again
     (no re-probes: probe_every is out of reach), or None."""
     policy = AdaptiveDraftLength(probe_every=10**6, idle_discount=idle_discount, ema=1.0)
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     policy.observe(state, RoundReport(0, 0, 0.0, T1))  # t1 measured
     for _ in range(10):
@@ -558,7 +570,7 @@ def test_idle_discount_lets_a_skipped_drafter_back_in():
 def _first_token_only(policy, rounds: int = 120) -> list[int]:
     """A drafter whose first draft token is always accepted and every later one rejected
     (a feature head after its first step, exaggerated): the k chosen each round."""
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     ks = []
     for _ in range(rounds):
@@ -610,7 +622,7 @@ def _priced_rounds(policy, rounds: int, alpha_all: bool = True, width: int = 1,
                    others: int = 0) -> list[int]:
     """Synthetic rounds whose verification takes exactly ``T1 * FLAT_TO_6(rows)``: a draft of
     depth k verifies ``1 + width * k`` rows of its own, ``others`` rows of other requests."""
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     ks = []
     for _ in range(rounds):
@@ -631,7 +643,7 @@ def test_priced_rows_stop_a_perfect_drafter_where_rows_start_to_cost():
     assert policy.prices is FLAT_TO_6
     ks = _priced_rounds(policy, 40)
     assert ks == [8] + [5] * 39
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     policy.begin(state)
     assert policy.choose(state, 8) == 5  # a new request: no plain round to measure t1
     assert policy.cost_model(state).t1 == pytest.approx(T1)
@@ -651,7 +663,7 @@ def test_priced_rows_count_a_trees_nodes_and_the_rest_of_the_batch():
     batch = AdaptiveDraftLength(row_prices=True)
     batch.use_prices(FLAT_TO_6)
     assert _priced_rounds(batch, 20, others=4)[1:] == [1] * 19
-    state = DecodeState(tokens=[0], prompt_len=1, max_len=10)
+    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
     batch.begin(state)
     assert batch.choose(state, 8) == 1  # a new request inherits the batch's other rows
     assert batch.cost_model(state, "then").others == 4.0  # and so does a new part

@@ -469,7 +469,9 @@ def test_adaptive_policy_per_sequence_at_batch_three(target):
     for g in gens:
         ks = g.stats.asked_per_round
         assert len(ks) == g.stats.rounds == len(g.stats.drafted_per_round)
-        assert ks[0] == 4 and g.stats.accepted == 0
+        # round 1 plain (the first token first: the drafter not yet measured), round 2
+        # drafts the limit to measure it
+        assert ks[:2] == [0, 4] and g.stats.accepted == 0
         tail = ks[len(ks) // 2 :]
         probes = sum(1 for k in tail if k > 0)
         assert set(tail) <= {0, 1} and probes <= len(tail) // 16 + 1, ks

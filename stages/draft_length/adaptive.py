@@ -85,9 +85,11 @@ expected saving over the tokens still allowed pays it back, and skips re-probes 
 than ``probe_budget`` of the remaining time.
 
 With ``first_token_plain`` (the default) a request's first round is plain whenever drafting
-would first cost a catch-up: the first token then comes after one target pass, as in plain
-decoding, instead of after the drafter's prefill too (time to first token), and the drafter
-catches up in a later round, at most one round's saving lost.
+would first cost a catch-up, or might (the part has drafted in no request yet, so nothing says
+it needs none): the first token then comes after one target pass, as in plain decoding,
+instead of after the drafter's prefill too (time to first token), and the drafter catches up
+in a later round, at most one round's saving lost.  Prompt lookup, once measured (it never
+catches up), drafts the first round.
 
 ``forget()`` drops the prior carried from request to request: the runner calls it after its
 untimed warm-up, whose fixed prompt says nothing of how often the drafter is right on the
@@ -219,7 +221,7 @@ class AdaptiveDraftLength:
             where it has them (the default; module doc); false: fit beta from the rounds'
             times always.
         first_token_plain: a request's first round is plain where drafting would first
-            cost a catch-up (the first token after one target pass; module doc).
+            cost a catch-up, or might (the first token after one target pass; module doc).
     """
 
     def __init__(
@@ -341,6 +343,9 @@ class AdaptiveDraftLength:
 
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         m = self.cost_model(state, part)
+        if self.first_token_plain and len(state.tokens) == state.prompt_len and (
+                m.t_draft is None or self._catchup_cost(state, m) > 0.0):
+            return 0  # the first token first: the drafter may have to catch up (module doc)
         if m.t1 is None or m.t_draft is None:
             return limit  # measure a drafting round first
         if not m.t1_measured and self._prices is None:
@@ -349,8 +354,6 @@ class AdaptiveDraftLength:
             # With priced rows every round measures t1 (module doc).
             return 0
         catchup = self._catchup_cost(state, m)
-        if catchup > 0.0 and self.first_token_plain and len(state.tokens) == state.prompt_len:
-            return 0  # the first token first: the catch-up waits for a later round
         remaining = max(0, state.max_len - 1 - len(state.tokens))  # tokens still allowed
         plain_s = self.verify_seconds(m, 0)  # a plain round's seconds (t1 unpriced)
         if m.plain_streak >= self.probe_every:
