@@ -67,7 +67,8 @@ shrinks the acceptance evidence (pooled and per position) by that factor, so the
 drafter sits out, the closer its estimate returns to the optimistic Beta(1, 1) prior and the
 sooner the policy tries it again (evidence gathered at a break-even acceptance otherwise
 keeps a useful drafter out for the rest of a request).  Without priced rows, each request
-runs one plain round early (its second round, or its first when timings are inherited) so
+runs one plain round early (its second round, or its first when timings are inherited or the
+first round is plain anyway: `first_token_plain` below) so
 that t1 is measured, not derived: from drafting rounds alone t1 and beta cannot be told
 apart, and t1 grows with the context.
 A model drafter that is behind (its lazy prefill, tokens committed while it sat idle) must
