@@ -13,11 +13,13 @@ file instead (``llama_decode`` of T rows with logits for each, after the same co
 llama-cpp-python installed): the row prices of both engines, one after the other.  Run it
 with nothing else on the machine.
 
-``--kernels NAME=PATH ...`` (with ``--weights gguf``) compares builds of the quantized kernel
-library (``specflow.quant.kernel``; e.g. the one built from the last commit's sources and
-the working tree's) on ONE loaded model: each repeat runs every T with each library in
-turn, and every library's logits must equal the first's (a kernel change that keeps the
-bits).  Build a library from other sources with the compiler line in
+``--kernels NAME=PATH ... [--prefill N]`` (with ``--weights gguf``) compares builds of the
+quantized kernel library (``specflow.quant.kernel``; e.g. the one built from the last
+commit's sources and the working tree's) on ONE loaded model: each repeat runs every T with
+each library in turn, and every library's logits must equal the first's (a kernel change
+that keeps the bits).  ``--prefill N`` adds a prompt's prefill of N tokens (a new
+session's hidden states, no logits) to each library's turn, its hidden states equal to the
+first's too.  Build a library from other sources with the compiler line in
 ``specflow.quant.kernel.build_library``.
 """
 
@@ -64,13 +66,18 @@ def main() -> None:
                     help="price llama.cpp's passes on the model's GGUF file instead")
     ap.add_argument("--kernels", nargs="+", metavar="NAME=PATH",
                     help="quantized kernel libraries to alternate on one model (--weights gguf)")
+    ap.add_argument("--prefill", type=int, metavar="N",
+                    help="with --kernels: also time a prompt's prefill of N tokens per library")
     args = ap.parse_args()
     counts = [int(t) for t in args.tokens.split(",")]
     if args.kernels:
         if args.weights != "gguf":
             ap.error("--kernels compares the quantized kernel: add --weights gguf")
-        compare_kernels(args.model, args.context, counts, args.repeats, args.kernels)
+        compare_kernels(args.model, args.context, counts, args.repeats, args.kernels,
+                        args.prefill)
         return
+    if args.prefill:
+        ap.error("--prefill compares kernel libraries' prefills: add --kernels")
     if args.llamacpp:
         llamacpp_prices(args.model, args.context, counts, args.repeats)
         return
@@ -138,10 +145,25 @@ def pass_after_context(lm: LayeredLM, context: int, most: int) -> Callable[[int]
     return step
 
 
+def prefill_after_nothing(lm: LayeredLM, tokens: int) -> Callable[[], torch.Tensor]:
+    """``prefill()``: a new session's prefill of ``tokens`` ordinary token ids (the last
+    layer's hidden states, no logits), as a request's prompt is run."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 1000, (tokens,), generator=gen).tolist()
+
+    def prefill() -> torch.Tensor:
+        sess = ModelSession(lm, tokens + 1)
+        sess.set_tokens(prompt)
+        return sess.hidden(lm.info.num_layers, tokens - 1)[0]
+
+    return prefill
+
+
 def compare_kernels(model: str, context: int, counts: list[int], repeats: int,
-                    kernels: list[str]) -> None:
+                    kernels: list[str], prefill_tokens: int | None = None) -> None:
     """Median ms of a T-row pass over ``context`` positions with each kernel library, the
-    libraries alternating within every repeat on one loaded GGUF model (module doc)."""
+    libraries alternating within every repeat on one loaded GGUF model (module doc); with
+    ``prefill_tokens``, also a prompt's prefill of that many tokens (min and median s)."""
     import specflow.quant.matrix as quant_matrix
     from specflow.quant import kernel
 
@@ -158,9 +180,21 @@ def compare_kernels(model: str, context: int, counts: list[int], repeats: int,
     step = pass_after_context(lm, context, max(counts))
     times: dict[tuple[str, int], list[float]] = {(n, t): [] for n in libraries for t in counts}
     want: dict[int, torch.Tensor] = {}
+    prefill = prefill_after_nothing(lm, prefill_tokens) if prefill_tokens else None
+    prefills: dict[str, list[float]] = {n: [] for n in libraries}
     for rep in range(repeats + 1):  # the first round warms up
         for name, library in libraries.items():
             quant_matrix.kernel_status = lambda library=library: library
+            if prefill is not None:
+                t0 = time.perf_counter()
+                hidden = prefill()
+                if rep:
+                    prefills[name].append(time.perf_counter() - t0)
+                if 0 not in want:
+                    want[0] = hidden
+                elif not torch.equal(hidden, want[0]):
+                    raise SystemExit(f"{name}: the prefill's hidden states differ from "
+                                     f"{next(iter(libraries))}'s")
             for t in counts:
                 t0 = time.perf_counter()
                 logits = step(t)
@@ -178,6 +212,10 @@ def compare_kernels(model: str, context: int, counts: list[int], repeats: int,
     for t in counts:
         print(f"{t:>3}" + "".join(f"{statistics.median(times[(n, t)]) * 1e3:>12.1f}"
                                   for n in libraries))
+    if prefill is not None:
+        print(f"a {prefill_tokens}-token prefill, s, min/median of {repeats}")
+        cells = (f"{min(prefills[n]):.2f}/{statistics.median(prefills[n]):.2f}" for n in libraries)
+        print("   " + "".join(f"{cell:>12}" for cell in cells))
 
 
 def llamacpp_prices(model: str, context: int, counts: list[int], repeats: int) -> None:
