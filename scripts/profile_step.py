@@ -182,6 +182,7 @@ def compare_kernels(model: str, context: int, counts: list[int], repeats: int,
     want: dict[int, torch.Tensor] = {}
     prefill = prefill_after_nothing(lm, prefill_tokens) if prefill_tokens else None
     prefills: dict[str, list[float]] = {n: [] for n in libraries}
+    want_hidden: torch.Tensor | None = None
     for rep in range(repeats + 1):  # the first round warms up
         for name, library in libraries.items():
             quant_matrix.kernel_status = lambda library=library: library
@@ -190,9 +191,9 @@ def compare_kernels(model: str, context: int, counts: list[int], repeats: int,
                 hidden = prefill()
                 if rep:
                     prefills[name].append(time.perf_counter() - t0)
-                if 0 not in want:
-                    want[0] = hidden
-                elif not torch.equal(hidden, want[0]):
+                if want_hidden is None:
+                    want_hidden = hidden
+                elif not torch.equal(hidden, want_hidden):
                     raise SystemExit(f"{name}: the prefill's hidden states differ from "
                                      f"{next(iter(libraries))}'s")
             for t in counts:

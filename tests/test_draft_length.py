@@ -30,15 +30,19 @@ from tests.conftest import hf_greedy
 from tests.test_engine_greedy import OracleDrafter
 
 T1 = 0.010  # seconds of a one-token target pass in the synthetic cost model
-# The synthetic requests below hold a prompt token and one generated token: past the first
-# round, which draft_length.first_token_plain keeps plain for a drafter not yet measured
-# (test_the_first_token_does_not_wait_for_a_drafters_catch_up).
+
+
+def mid_request() -> DecodeState:
+    """A synthetic request holding a prompt token and one generated token: past the first
+    round, which draft_length.first_token_plain keeps plain for a drafter not yet measured
+    (test_the_first_token_does_not_wait_for_a_drafters_catch_up)."""
+    return DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
 
 
 def simulate(policy, accept_all: bool, rounds: int = 200, k_max: int = 8,
              t_draft: float = 0.001, beta: float = 0.1) -> list[int]:
     """Feed a policy synthetic rounds; returns the k it chose each round."""
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     ks = []
     for _ in range(rounds):
@@ -104,7 +108,7 @@ def test_a_new_request_inherits_the_previous_evidence():
     """After a request whose drafts all failed, the next one starts with k = 0 at once."""
     policy = AdaptiveDraftLength()
     simulate(policy, accept_all=False, rounds=40)
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     assert policy.choose(state, 8) == 0  # the plain round measuring t1 ...
     policy.observe(state, RoundReport(0, 0, 0.0, T1))
@@ -131,7 +135,7 @@ def alternate_parts(policy, key_of) -> dict[str, list[int]]:
     """200 synthetic rounds alternating a fallback's copier (part ``first``: every token
     accepted) and its head (``then``: none), each fed to the policy under ``key_of(part)``;
     returns the k chosen per part."""
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     chosen: dict[str, list[int]] = {"first": [], "then": []}
     for r in range(200):
@@ -160,7 +164,7 @@ def test_adaptive_keeps_each_part_of_a_drafter_apart():
 
 def test_a_plain_round_measures_t1_for_every_part():
     policy = AdaptiveDraftLength()
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     assert policy.choose(state, 4, "first") == 4  # no times yet: draft to measure them
     policy.observe(state, RoundReport(4, 4, 0.004, 0.014, part="first"))
@@ -348,7 +352,7 @@ def test_each_request_measures_t1_in_one_plain_round():
     rounds with a guessed beta: a drafter costing 0.5 t1 per token with beta = 0.5 and
     alpha = 0.5 loses to plain decoding, and the policy sees it."""
     policy = AdaptiveDraftLength(optimism=0.0)
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     assert policy.choose(state, 4) == 4  # first: measure drafting
     policy.observe(state, RoundReport(4, 1, 4 * 0.5 * T1, T1 * (1 + 0.5 * 4)))
@@ -524,7 +528,7 @@ def test_beta_is_refit_against_the_latest_t1():
     measured after the context grew counts as a cost of drafting only until a plain round
     re-measures t1 at that context (exact numbers: ema = 1 keeps the latest measurement)."""
     policy = AdaptiveDraftLength(optimism=0.0, ema=1.0)
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     model = policy.cost_model(state)
     # t1 still derived: beta unchanged
@@ -543,7 +547,7 @@ def _rounds_until_it_drafts_again(idle_discount: float, limit: int = 60) -> int 
     """Ten failed one-token drafts, then plain rounds: the first round that drafts again
     (no re-probes: probe_every is out of reach), or None."""
     policy = AdaptiveDraftLength(probe_every=10**6, idle_discount=idle_discount, ema=1.0)
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     policy.observe(state, RoundReport(0, 0, 0.0, T1))  # t1 measured
     for _ in range(10):
@@ -570,7 +574,7 @@ def test_idle_discount_lets_a_skipped_drafter_back_in():
 def _first_token_only(policy, rounds: int = 120) -> list[int]:
     """A drafter whose first draft token is always accepted and every later one rejected
     (a feature head after its first step, exaggerated): the k chosen each round."""
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     ks = []
     for _ in range(rounds):
@@ -622,7 +626,7 @@ def _priced_rounds(policy, rounds: int, alpha_all: bool = True, width: int = 1,
                    others: int = 0) -> list[int]:
     """Synthetic rounds whose verification takes exactly ``T1 * FLAT_TO_6(rows)``: a draft of
     depth k verifies ``1 + width * k`` rows of its own, ``others`` rows of other requests."""
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     ks = []
     for _ in range(rounds):
@@ -643,7 +647,7 @@ def test_priced_rows_stop_a_perfect_drafter_where_rows_start_to_cost():
     assert policy.prices is FLAT_TO_6
     ks = _priced_rounds(policy, 40)
     assert ks == [8] + [5] * 39
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     policy.begin(state)
     assert policy.choose(state, 8) == 5  # a new request: no plain round to measure t1
     assert policy.cost_model(state).t1 == pytest.approx(T1)
@@ -663,7 +667,7 @@ def test_priced_rows_count_a_trees_nodes_and_the_rest_of_the_batch():
     batch = AdaptiveDraftLength(row_prices=True)
     batch.use_prices(FLAT_TO_6)
     assert _priced_rounds(batch, 20, others=4)[1:] == [1] * 19
-    state = DecodeState(tokens=[0, 0], prompt_len=1, max_len=10)
+    state = mid_request()
     batch.begin(state)
     assert batch.choose(state, 8) == 1  # a new request inherits the batch's other rows
     assert batch.cost_model(state, "then").others == 4.0  # and so does a new part

@@ -344,8 +344,9 @@ class AdaptiveDraftLength:
 
     def choose(self, state: DecodeState, limit: int, part: str = "") -> int:
         m = self.cost_model(state, part)
+        catchup = self._catchup_cost(state, m)
         if self.first_token_plain and len(state.tokens) == state.prompt_len and (
-                m.t_draft is None or self._catchup_cost(state, m) > 0.0):
+                m.t_draft is None or catchup > 0.0):
             return 0  # the first token first: the drafter may have to catch up (module doc)
         if m.t1 is None or m.t_draft is None:
             return limit  # measure a drafting round first
@@ -354,7 +355,6 @@ class AdaptiveDraftLength:
             # alone, t1 and beta are confounded (and t1 grows with the context length).
             # With priced rows every round measures t1 (module doc).
             return 0
-        catchup = self._catchup_cost(state, m)
         remaining = max(0, state.max_len - 1 - len(state.tokens))  # tokens still allowed
         plain_s = self.verify_seconds(m, 0)  # a plain round's seconds (t1 unpriced)
         if m.plain_streak >= self.probe_every:

@@ -910,10 +910,10 @@ constexpr std::array<TileRowsFn, kTileGroup> kTileRowsFns[2] = {
     tile_rows_table<true>(std::make_integer_sequence<int, kTileGroup>())};
 #endif
 
-// Tile tt of a K-quant matrix (N rows) for activation rows [m0, m0 + mc); first: the first
-// rows of a span to meet this tile (its bytes still in memory, fetched ahead).
+// Tile tt of a K-quant matrix (N rows) for activation rows [m0, m0 + mc); fetch: these are
+// the first rows of a span to meet this tile (its bytes still in memory: fetched ahead).
 void tile_outputs(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq, int m0, int mc,
-                  float* y, long ldy, long tt, long N, bool first) {
+                  float* y, long ldy, long tt, long N, bool fetch) {
   const long nblocks = xq.K / 256;
   const long n0 = tt * kTileRows;
   const int nvalid = N - n0 < kTileRows ? static_cast<int>(N - n0) : kTileRows;
@@ -922,10 +922,10 @@ void tile_outputs(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq,
   const auto& fns = kTileRowsFns[type == kQ6_K];
   for (int g = 0; g < mc; g += kTileGroup) {  // the tile's next super-block fetched by the first
     const int rows = mc - g < kTileGroup ? mc - g : kTileGroup;
-    fns[rows - 1](tile, nblocks, xq, m0 + g, y, ldy, n0, nvalid, first && g == 0);
+    fns[rows - 1](tile, nblocks, xq, m0 + g, y, ldy, n0, nvalid, fetch && g == 0);
   }
 #else  // portable: each tile row's super-block unpacked once, then multiplied into every row
-  (void)first;
+  (void)fetch;
   const TileLayout& L = tile_layout(type);
   const long K = xq.K, n16 = K / 16;
   RowSuper s;
