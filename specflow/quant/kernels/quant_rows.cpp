@@ -26,13 +26,13 @@
 //     acc = fma(float(L), d * dx, acc)
 //
 // and y = acc after the last super-block.  32-blocks (Q4_0, Q4_1, Q5_0, Q8_0), repacked into
-// tiles of 16 rows as well (the 8 lanes below kept for 8 weight rows a vector), per weight row
-// and activation row:
+// tiles of 16 rows as well, per weight row and activation row and block (as ggml's q4_0 x q8_0
+// dot: one integer sum a block, one float step):
 //
 //     w = d * c + a                      (Q4_0: a = -8d; Q4_1: a = m; Q5_0: a = -16d; Q8_0: c signed, a = 0)
-//     lane[i] = sum_{e = 4i..4i+3} c_e x8_e;   acc[i] = fma(float(lane[i]), d * dx, acc[i])
+//     S = sum_{e < 32} c_e x8_e;   acc = fma(float(S), d * dx, acc)
 //     off = fma(a * dx, float(bsum[0] + bsum[1]), off)
-//     y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) + off.
+//     y = acc + off.
 //
 // Every integer sum is exact (no int16 saturation: |c| <= 63 or signed 8-bit with
 // |x8| <= 127; AVX2 sums at most 8 Q4_K or 2 Q6_K maddubs pairs in int16, < 32768); every
@@ -318,26 +318,21 @@ inline const int8_t* block_at(const Q8Rows& xq, int m, long b) {
 
 // ---------------------------------------------------------------- per-row accumulation
 struct Acc {
-  float lane[8];
+  float sum;
   float off;
 };
 
-inline float finish(const Acc& a) {
-  const float* l = a.lane;
-  return (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) + a.off;
-}
+inline float finish(const Acc& a) { return a.sum + a.off; }
 
-// One 32-block into one row's accumulator.
+// One 32-block into one row's accumulator (the header's sequence).
 inline void block32_row(const Block32& blk, bool is_signed, const int8_t* x, const int16_t* bsum,
                         float dx, Acc* acc) {
-  for (int i = 0; i < 8; ++i) {
-    int32_t s = 0;
-    for (int e = 4 * i; e < 4 * i + 4; ++e) {
-      const int32_t c = is_signed ? static_cast<int8_t>(blk.c[e]) : blk.c[e];
-      s += c * x[e];
-    }
-    acc->lane[i] = std::fma(static_cast<float>(s), blk.d * dx, acc->lane[i]);
+  int32_t s = 0;
+  for (int e = 0; e < 32; ++e) {
+    const int32_t c = is_signed ? static_cast<int8_t>(blk.c[e]) : blk.c[e];
+    s += c * x[e];
   }
+  acc->sum = std::fma(static_cast<float>(s), blk.d * dx, acc->sum);
   acc->off = std::fma(blk.a * dx, static_cast<float>(bsum[0] + bsum[1]), acc->off);
 }
 
@@ -959,9 +954,9 @@ void tile_outputs(int type, const uint8_t* w, long tile_bytes, const Q8Rows& xq,
 
 #if defined(__AVX2__)
 // Rows [m0, m0 + mc) times one 32-block tile (16 weight rows, nvalid of them real), 8 weight
-// rows (half h) a vector: per activation row and half, the 8 lanes' sums of block32_row
-// (lane i: values 4i .. 4i+3) in 8 accumulators whose vector lanes are weight rows, and the
-// offset in a ninth; each weight row's float sequence is block32_row's, finish included.  A
+// rows (half h) a vector: per activation row, half and block, the vector's lanes (weight
+// rows) hold the block's integer sums S, then the header's float steps into an accumulator
+// and an offset; each weight row's float sequence is block32_row's, finish included.  A
 // tile's bytes are read once per activation row and half (from cache after the first).
 constexpr int tile32_bytes(int type) {  // a row's block in the file (and in a tile)
   return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : 34;
@@ -992,23 +987,29 @@ __attribute__((always_inline)) inline void nibble_codes(const uint8_t* t, int st
   }
 }
 
-// Step st's codes (lo, hi) against one activation row's block xb into lanes st and st + 4.
-__attribute__((always_inline)) inline void nibble_step(__m256i lo, __m256i hi, const int8_t* xb,
-                                                       int st, __m256 dd, __m256* acc) {
+// A block's sums S for 8 weight rows against one activation row's block xb, from its codes
+// (lo[st], hi[st]: step st's low and high nibbles).  maddubs' pairs are summed in int16 while
+// they cannot overflow it (codes below 16: all 8 products of a block, |sum| <= 8 * 2 * 15 *
+// 127 < 32768; Q5_0's codes below 32: 4 of them), then widened by madd.
+template <int TYPE>
+__attribute__((always_inline)) inline __m256i nibble_sums(const __m256i* lo, const __m256i* hi,
+                                                          const int8_t* xb) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i l0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * st)), ones);
-  const __m256i l1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * st)), ones);
-  acc[st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l0), dd, acc[st]);
-  acc[st + 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l1), dd, acc[st + 4]);
+  __m256i s16[2];
+  for (int st = 0; st < 4; ++st) {
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[st], bcast4(xb + 4 * st)),
+                                       _mm256_maddubs_epi16(hi[st], bcast4(xb + 16 + 4 * st)));
+    const int g = TYPE == kQ5_0 ? st / 2 : 0;
+    s16[g] = st == 0 || (TYPE == kQ5_0 && st == 2) ? p : _mm256_add_epi16(s16[g], p);
+  }
+  const __m256i s = _mm256_madd_epi16(s16[0], ones);
+  return TYPE == kQ5_0 ? _mm256_add_epi32(s, _mm256_madd_epi16(s16[1], ones)) : s;
 }
 
-// The 8 lanes' sums and the offset of 8 weight rows -> their `here` outputs at out.
-inline void store_lanes(const __m256* acc, __m256 off, float* out, int here) {
-  const __m256 sum = _mm256_add_ps(
-      _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
-      _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
+// The `here` outputs of 8 weight rows at out: acc + off.
+inline void store_rows(__m256 acc, __m256 off, float* out, int here) {
   alignas(32) float v[8];
-  _mm256_store_ps(v, _mm256_add_ps(sum, off));
+  _mm256_store_ps(v, _mm256_add_ps(acc, off));
   for (int i = 0; i < here; ++i) out[i] = v[i];
 }
 
@@ -1024,9 +1025,7 @@ void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, in
     const int m = m0 + r;
     const int8_t* x = block_at(xq, m, 0);  // 32-blocks lie [M, K]: block b at x + 32 b
     for (int h = 0; h < halves; ++h) {
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      __m256 off = _mm256_setzero_ps();
+      __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
       for (long b = 0; b < nblocks; ++b) {
         const uint8_t* t = tile + b * (16 * kBytes);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
@@ -1038,39 +1037,39 @@ void tile32_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, in
                                              reinterpret_cast<const __m128i*>(t + 32 + 16 * h)))
                                        : _mm256_setzero_ps();
         const int16_t* bs = xq.bsum.data() + m * n16 + 2 * b;
-        off = _mm256_fmadd_ps(_mm256_mul_ps(a, dx), _mm256_set1_ps(static_cast<float>(bs[0] + bs[1])), off);
         const int8_t* xb = x + 32 * b;
+        __m256i sum;
         if (TYPE == kQ8_0) {  // |c| as unsigned, x carrying c's sign (block32_row's products)
+          sum = _mm256_setzero_si256();
           for (int st = 0; st < 8; ++st) {
             const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kCodes + st * 64 + 32 * h));
             const __m256i xs = _mm256_sign_epi8(bcast4(xb + 4 * st), c);
-            const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), xs), ones);
-            acc[st] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), dd, acc[st]);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), xs), ones));
           }
         } else {
           __m256i qh = _mm256_setzero_si256();
           if (TYPE == kQ5_0) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 32 * h));
-          for (int st = 0; st < 4; ++st) {
-            __m256i lo, hi;
-            nibble_codes<TYPE>(t, st, h, qh, &lo, &hi);
-            nibble_step(lo, hi, xb, st, dd, acc);
-          }
+          __m256i lo[4], hi[4];
+          for (int st = 0; st < 4; ++st) nibble_codes<TYPE>(t, st, h, qh, &lo[st], &hi[st]);
+          sum = nibble_sums<TYPE>(lo, hi, xb);
         }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, acc);
+        off = _mm256_fmadd_ps(_mm256_mul_ps(a, dx), _mm256_set1_ps(static_cast<float>(bs[0] + bs[1])), off);
       }
-      store_lanes(acc, off, y + m * ldy + n0 + 8 * h, nvalid - 8 * h < 8 ? nvalid - 8 * h : 8);
+      store_rows(acc, off, y + m * ldy + n0 + 8 * h, nvalid - 8 * h < 8 ? nvalid - 8 * h : 8);
     }
   }
 }
 
 // tile32_rows for several activation rows of Q5_0, whose codes take the most decoding (the
 // fifth bits spread to their bytes): each block's codes are decoded once (8 code vectors)
-// and multiplied into every row, whose 8 lane accumulators and offset stay in memory between
-// blocks.  Each (weight row, activation row)'s float sequence is tile32_rows' (the same
-// operations in the same order); only the decoding is shared.  The 0.5B's passes over 300
-// positions, alternating with one-row-at-a-time on one model (the same logits, two runs):
-// 3 rows 6-14 %, 5 rows 16-17 %, 8 rows 19-21 % cheaper; 1 and 2 rows level.  Q4_0 and Q4_1,
-// whose nibbles take two instructions, gained nothing from it (SmolLM2's Q4_1: 2 rows 25.0
-// -> 27.5 ms), so they keep tile32_rows.
+// and multiplied into every row, whose accumulators stay in memory between blocks.  Each
+// (weight row, activation row)'s float sequence is tile32_rows' (the same operations in the
+// same order); only the decoding is shared.  The 0.5B's passes over 300 positions,
+// alternating with one-row-at-a-time on one model (the same logits, two runs): 3 rows 6-14 %,
+// 5 rows 16-17 %, 8 rows 19-21 % cheaper; 1 and 2 rows level.  Q4_0 and Q4_1, whose nibbles
+// take two instructions, gained nothing from it (SmolLM2's Q4_1: 2 rows 25.0 -> 27.5 ms), so
+// they keep tile32_rows.
 constexpr int kQ5GroupFrom = 3;  // activation rows from which Q5_0 tiles take this path
 
 void tile32_rows_q5_group(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, int mc,
@@ -1079,31 +1078,27 @@ void tile32_rows_q5_group(const uint8_t* tile, long nblocks, const Q8Rows& xq, i
   const long nd = xq.K / 32, n16 = xq.K / 16;
   const int halves = nvalid > 8 ? 2 : 1;
   for (int h = 0; h < halves; ++h) {
-    __m256 acc[kRowsChunk][8];
-    __m256 off[kRowsChunk];
-    for (int r = 0; r < mc; ++r) {
-      for (int i = 0; i < 8; ++i) acc[r][i] = _mm256_setzero_ps();
-      off[r] = _mm256_setzero_ps();
-    }
+    __m256 acc[kRowsChunk], off[kRowsChunk];
+    for (int r = 0; r < mc; ++r) acc[r] = off[r] = _mm256_setzero_ps();
     for (long b = 0; b < nblocks; ++b) {
       const uint8_t* t = tile + b * (16 * kBytes);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
       const __m256 a = _mm256_mul_ps(_mm256_set1_ps(-16.0f), d);
-      __m256i code[8];  // step st: lane st from the low nibbles, lane st + 4 from the high ones
+      __m256i lo[4], hi[4];
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 32 * h));
-      for (int st = 0; st < 4; ++st) nibble_codes<kQ5_0>(t, st, h, qh, &code[st], &code[st + 4]);
+      for (int st = 0; st < 4; ++st) nibble_codes<kQ5_0>(t, st, h, qh, &lo[st], &hi[st]);
       for (int r = 0; r < mc; ++r) {
         const int m = m0 + r;
         const __m256 dx = _mm256_set1_ps(xq.d[m * nd + b]);
         const __m256 dd = _mm256_mul_ps(d, dx);
         const int16_t* bs = xq.bsum.data() + m * n16 + 2 * b;
+        const __m256i sum = nibble_sums<kQ5_0>(lo, hi, block_at(xq, m, 0) + 32 * b);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, acc[r]);
         off[r] = _mm256_fmadd_ps(_mm256_mul_ps(a, dx), _mm256_set1_ps(static_cast<float>(bs[0] + bs[1])), off[r]);
-        const int8_t* xb = block_at(xq, m, 0) + 32 * b;
-        for (int st = 0; st < 4; ++st) nibble_step(code[st], code[st + 4], xb, st, dd, acc[r]);
       }
     }
     const int here = nvalid - 8 * h < 8 ? nvalid - 8 * h : 8;
-    for (int r = 0; r < mc; ++r) store_lanes(acc[r], off[r], y + (m0 + r) * ldy + n0 + 8 * h, here);
+    for (int r = 0; r < mc; ++r) store_rows(acc[r], off[r], y + (m0 + r) * ldy + n0 + 8 * h, here);
   }
 }
 #endif
@@ -1136,7 +1131,7 @@ void tile32_outputs(int type, const TypeInfo& info, const uint8_t* w, long tile_
   Block32 blk;
   Acc acc[kRowsChunk];
   for (int i = 0; i < nvalid; ++i) {
-    for (int r = 0; r < mc; ++r) acc[r] = Acc{{0, 0, 0, 0, 0, 0, 0, 0}, 0};
+    for (int r = 0; r < mc; ++r) acc[r] = Acc{0.0f, 0.0f};
     for (long b = 0; b < nblocks; ++b) {
       unpack_tile32_row(type, tile + b * block_bytes, i, file_block);
       decode_block32(type, file_block, &blk);
