@@ -139,8 +139,8 @@ def test_each_vector_build_gives_the_portable_builds_bits(ggml_type, rows, build
     whose values (K = 512 bytes a row) fit the 256 KiB kept in cache, then one of 18; on
     AVX2 a group of 2-7 rows
     takes both halves of a tile per broadcast, a larger one a half at a time), 32-block tiles one
-    row at a time in 8 lane accumulators (Q5_0 from 3 rows: a block's codes decoded once for
-    all of them);
+    integer sum a block (on AVX2 one row at a time, Q5_0 from 3 rows with a block's codes
+    decoded once for all of them; on AVX-512 Q4_0, Q4_1 and Q8_0 in groups of up to 4 rows);
     29 weight rows end in a tile of 13 (both halves, the second partial).  The first row's
     activations hold exact halves (a block whose largest value is 127: x / dx ties, rounded
     to even) and a block of values near 1e-38 (1 / dx not finite: all zero), quantized by
