@@ -527,9 +527,10 @@ inline int32_t load_i32(const void* p) { int32_t v; std::memcpy(&v, p, 4); retur
 // between its chunks' dot products: fetched all at once (37 or 53 lines), the fetches filled
 // the core's outstanding-miss slots and stalled its products behind them, so memory and
 // arithmetic took turns instead of overlapping.  Whole 1.5B passes on a 2-vCPU EPYC Zen 4,
-// alternating with the one-burst library (two runs): the AVX-512 build 16-17 % cheaper at 1
-// row, 32-35 % at 3, 28-32 % at 5, 31-40 % at 8; the AVX2 build on the same CPU 22-39 %
-// at 2 rows, 11-21 % at 5, level at 1.  The same bits: only when a line is fetched moved.
+// alternating with the one-burst library: the AVX-512 build 16-17 % cheaper at 1 row, 32-35 %
+// at 3, 28-32 % at 5, 31-40 % at 8 (two runs); the AVX2 build on the same CPU 18-26 % at 2
+// rows and 10-21 % at 5 (three and two runs), its 1 row kept as it was (below).  The same
+// bits: only when a line is fetched moved.
 template <int BYTES>
 __attribute__((always_inline)) inline void fetch_ahead(const uint8_t* t, int part, int parts) {
   constexpr int kLines = (BYTES + 63) / 64;
@@ -880,7 +881,12 @@ void tile_rows(const uint8_t* tile, long nblocks, const Q8Rows& xq, int m0, floa
       __m256i sum[MC], low[MC];
       for (int r = 0; r < MC; ++r) sum[r] = low[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; j += 2) {
-        if (fetch) fetch_ahead<L.bytes>(t, 2 * h + j / 2, 2 * halves);
+        // one row (decoding) fetches the whole block first, as before: spread fetches measured
+        // 36 % and 9 % dearer and 4 % cheaper in three runs there, within this VM's noise
+        // (this same code ran 14 % dearer than the old library in one run), so it stays
+        if (fetch && (MC > 1 || h + j == 0)) {
+          fetch_ahead<L.bytes>(t, MC > 1 ? 2 * h + j / 2 : 0, MC > 1 ? 2 * halves : 1);
+        }
         tile_chunk<MC, Q6, 0, 0>(t, j, h, xb + 64 * j, bsum, n16, sum, low);
         tile_chunk<MC, Q6, 1, 0>(t, j, h, xb + 64 * j + 32, bsum, n16, sum, low);
         tile_chunk<MC, Q6, 0, 1>(t, j + 1, h, xb + 64 * j + 64, bsum, n16, sum, low);
