@@ -162,6 +162,36 @@ def test_each_vector_build_gives_the_portable_builds_bits(ggml_type, rows, build
     assert torch.equal(results[build][1], dequantize(matrix.parts[0]))
 
 
+@pytest.mark.skipif(not VECTOR_BUILDS, reason="the CPU lacks AVX2, FMA or F16C")
+@pytest.mark.parametrize("build", VECTOR_BUILDS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_q8_0_codes_at_both_ends_of_their_range_give_exact_sums(build, rows, monkeypatch):
+    """Q8_0 blocks whose codes span -128 .. 127 (a file may hold -128, which ggml's quantizer
+    never writes) against activations at +-127 (8-bit values at their ends): AVX2 takes |c| and
+    x with c's sign (|-128| x 127 pairs still fit int16), AVX-512 takes c + 128 less 128 sum x.
+    Every build gives the portable build's bits, and with d = 1 each product is the exact
+    integer sum of c x8 times the block scale dx."""
+    rng = np.random.default_rng(9)
+    n = 20
+    codes = rng.integers(-128, 128, size=(n, K), dtype=np.int64)
+    codes[:, :32] = -128  # a block of -128 only
+    codes[:, 32:64] = 127
+    blocks = np.zeros((n, K // 32, 34), np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    blocks[:, :, 2:] = codes.astype(np.int8).reshape(n, K // 32, 32).view(np.uint8)
+    matrix = QuantMatrix((part_from_numpy(int(T.Q8_0), blocks.reshape(n, -1), K),))
+    x = torch.where(torch.rand(rows, K, generator=torch.Generator().manual_seed(3)) < 0.5,
+                    -127.0, 127.0)  # every block's dx is 1: x8 = x
+    results = {}
+    for name in (build, "portable"):
+        loaded = kernel.load_build(name)
+        monkeypatch.setattr("specflow.quant.matrix.kernel_status", lambda k=loaded: k)
+        results[name] = quant_linear(x, matrix, None)
+    assert torch.equal(results[build], results["portable"])
+    exact = (x.double() @ torch.from_numpy(codes).double().T).float()
+    assert torch.equal(results["portable"], exact)
+
+
 def test_the_cpu_build_follows_the_cpus_flags(monkeypatch):
     monkeypatch.setattr(kernel.platform, "machine", lambda: "x86_64")
     avx512 = "fpu sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni"
