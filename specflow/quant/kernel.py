@@ -2,9 +2,10 @@
 
 ``kernels/quant_rows.cpp`` (its header has the math and the invariants) multiplies ``M``
 float32 rows by a matrix kept in ggml's own blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K):
-the activations are quantized to 8 bits per block, the K-quants (Q4_K, Q6_K) are repacked
-once at load into tiles of 16 weight rows (vector lanes are weight rows), each weight block
-is decoded once per group of rows and multiplied in with integer dot products, and a row's
+the activations are quantized to 8 bits per block, every block type is repacked once at
+load into tiles of 16 weight rows (vector lanes are weight rows), each weight block is
+decoded once per group of rows and multiplied in with integer dot products (one integer sum
+a 32-block, a few per K-quant super-block, then their float steps), and a row's
 result is the same bits whatever the other rows, their number or the threads -- so decoding
 one row and verifying ``k+1`` rows agree exactly, which lossless speculation needs.
 
