@@ -164,7 +164,7 @@ def test_each_vector_build_gives_the_portable_builds_bits(ggml_type, rows, build
 
 @pytest.mark.skipif(not VECTOR_BUILDS, reason="the CPU lacks AVX2, FMA or F16C")
 @pytest.mark.parametrize("build", VECTOR_BUILDS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9])
 def test_q8_0_codes_at_both_ends_of_their_range_give_exact_sums(build, rows, monkeypatch):
     """Q8_0 blocks whose codes span -128 .. 127 (a file may hold -128, which ggml's quantizer
     never writes) against activations at +-127 (8-bit values at their ends): AVX2 takes |c| and

@@ -35,7 +35,8 @@
 //     y = acc + off.
 //
 // Every integer sum is exact (no int16 saturation: |c| <= 63 or signed 8-bit with
-// |x8| <= 127; AVX2 sums at most 8 Q4_K or 2 Q6_K maddubs pairs in int16, < 32768); every
+// |x8| <= 127; AVX2 sums at most 8 Q4_K, 2 Q6_K, 8 Q4_0 / Q4_1 or 4 Q5_0 maddubs pairs in
+// int16, < 32768); every
 // float step is the fixed sequence above, so a row's result does not depend on the other
 // rows, their number, the block of rows a call takes or the thread split: the same bits at 1
 // row (decoding) and at k+1 rows (verification).  The AVX-512 build (BW + VNNI), the AVX2
@@ -995,8 +996,8 @@ __attribute__((always_inline)) inline void nibble_codes(const uint8_t* t, int st
 
 // A block's sums S for 8 weight rows against one activation row's block xb, from its codes
 // (lo[st], hi[st]: step st's low and high nibbles).  maddubs' pairs are summed in int16 while
-// they cannot overflow it (codes below 16: all 8 products of a block, |sum| <= 8 * 2 * 15 *
-// 127 < 32768; Q5_0's codes below 32: 4 of them), then widened by madd.
+// they cannot overflow it (codes below 16: all 8 pairs of a lane, |sum| <= 8 * 2 * 15 * 127
+// < 32768; Q5_0's codes below 32: 4 of them), then widened by madd.
 template <int TYPE>
 __attribute__((always_inline)) inline __m256i nibble_sums(const __m256i* lo, const __m256i* hi,
                                                           const int8_t* xb) {
